@@ -1,0 +1,274 @@
+/*
+ * lmloss — losses at the head of a language model, without the full logits.
+ *
+ * The C ABI. It compiles as C99 and as C++; every call returns an lmloss_status, and on failure
+ * lmloss_last_error() holds a message naming the offending argument. No call aborts the process,
+ * and a call that fails validation writes none of its outputs.
+ *
+ * The math (docs/contract.md has it in full):
+ *   s = z = X W^T + b          (or the caller's logits z)
+ *   s = c tanh(s / c)          (soft-capping, c > 0)
+ *   s = s / T                  (temperature, T > 0)
+ *   lse_t = log sum_j exp(s_tj),  p = exp(s - lse)
+ *   ce_t  = lse_t - (1 - eps) s_t,y - (eps / V) sum_j s_tj
+ *   zl_t  = lambda lse_t^2
+ *   kd_t  = sum_k P_tk (log P_tk - (s_t,I_tk - lse_t))
+ *   l_t   = alpha ce_t + zl_t + beta kd_t, over counted tokens; reduced by mean, sum or none.
+ *
+ * Tensors are described, not owned: lmloss_tensor points at the caller's memory (CPU or CUDA).
+ * The last dimension is contiguous; `stride` is the stride of the first dimension in elements, so
+ * rows may be views into larger buffers.
+ */
+#ifndef LMLOSS_LMLOSS_H
+#define LMLOSS_LMLOSS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define LMLOSS_API __declspec(dllexport)
+#else
+#define LMLOSS_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LMLOSS_VERSION_MAJOR 0
+#define LMLOSS_VERSION_MINOR 1
+#define LMLOSS_VERSION_PATCH 0
+
+/* ---- Status -------------------------------------------------------------------------------- */
+
+typedef enum lmloss_status {
+  LMLOSS_SUCCESS = 0,
+  LMLOSS_ERROR_INVALID_ARGUMENT = 1, /* shape, dtype, stride, device or value: nothing written */
+  LMLOSS_ERROR_UNSUPPORTED = 2,      /* valid, but not in this build or on this backend */
+  LMLOSS_ERROR_OUT_OF_MEMORY = 3,    /* workspace could not be allocated: nothing written */
+  LMLOSS_ERROR_ID_OUT_OF_RANGE = 4,  /* a label or teacher id found out of range on the device */
+  LMLOSS_ERROR_BACKEND = 5,          /* the BLAS, CUDA or cuBLASLt call failed */
+  LMLOSS_ERROR_INTERNAL = 6,
+  LMLOSS_STATUS_COUNT
+} lmloss_status;
+
+/* A constant string for a status; never NULL. */
+LMLOSS_API const char* lmloss_status_string(lmloss_status status);
+/* The message of this thread's last failed call ("" after a success). Valid until the next call. */
+LMLOSS_API const char* lmloss_last_error(void);
+/* The library's version as MAJOR * 10000 + MINOR * 100 + PATCH. */
+LMLOSS_API int lmloss_version(void);
+
+/* ---- Tensors ------------------------------------------------------------------------------- */
+
+typedef enum lmloss_dtype {
+  LMLOSS_F32 = 0,
+  LMLOSS_F16 = 1,
+  LMLOSS_BF16 = 2,
+  LMLOSS_F64 = 3, /* CPU only: arithmetic in double, for exact checks */
+  LMLOSS_I32 = 4,
+  LMLOSS_I64 = 5,
+  LMLOSS_U8 = 6,  /* token masks: nonzero = counted */
+  LMLOSS_DTYPE_COUNT
+} lmloss_dtype;
+
+typedef enum lmloss_device_type {
+  LMLOSS_DEVICE_CPU = 0,
+  LMLOSS_DEVICE_CUDA = 1,
+  LMLOSS_DEVICE_TYPE_COUNT
+} lmloss_device_type;
+
+typedef struct lmloss_tensor {
+  void* data;                     /* NULL: the argument is absent */
+  lmloss_dtype dtype;
+  int32_t ndim;                   /* 0, 1 or 2 */
+  int64_t shape[2];
+  int64_t stride;                 /* first dimension's stride in elements; 0: contiguous */
+  lmloss_device_type device_type;
+  int32_t device_index;           /* CUDA ordinal; 0 on the CPU */
+} lmloss_tensor;
+
+/* Describers for the common cases (CPU memory, contiguous unless a stride is given). */
+static inline lmloss_tensor lmloss_tensor_none(void) {
+  lmloss_tensor t = {NULL, LMLOSS_F32, 0, {0, 0}, 0, LMLOSS_DEVICE_CPU, 0};
+  return t;
+}
+static inline lmloss_tensor lmloss_tensor_scalar(void* data, lmloss_dtype dtype) {
+  lmloss_tensor t = {data, dtype, 0, {0, 0}, 0, LMLOSS_DEVICE_CPU, 0};
+  return t;
+}
+static inline lmloss_tensor lmloss_tensor_1d(void* data, lmloss_dtype dtype, int64_t n) {
+  lmloss_tensor t = {data, dtype, 1, {n, 0}, 0, LMLOSS_DEVICE_CPU, 0};
+  return t;
+}
+static inline lmloss_tensor lmloss_tensor_2d(void* data, lmloss_dtype dtype, int64_t rows,
+                                             int64_t cols, int64_t row_stride) {
+  lmloss_tensor t = {data, dtype, 2, {rows, cols}, row_stride, LMLOSS_DEVICE_CPU, 0};
+  return t;
+}
+
+/* ---- Context ------------------------------------------------------------------------------- */
+
+/* Holds the CUDA stream, the workspace budget and allocator, the CPU thread count, cached plans
+ * and the device-side error flag. One context per thread (or external locking). */
+typedef struct lmloss_context lmloss_context;
+
+/* Workspace allocator for CUDA memory (e.g. PyTorch's caching allocator). alloc returns NULL on
+ * failure; both are called on the context's stream. */
+typedef struct lmloss_allocator {
+  void* (*alloc)(void* user, size_t bytes, int32_t device_index, void* stream);
+  void (*free)(void* user, void* ptr, size_t bytes, int32_t device_index, void* stream);
+  void* user;
+} lmloss_allocator;
+
+#define LMLOSS_DEFAULT_WORKSPACE_BYTES ((size_t)1 << 30) /* 1 GiB */
+
+LMLOSS_API lmloss_status lmloss_context_create(lmloss_context** context);
+LMLOSS_API lmloss_status lmloss_context_destroy(lmloss_context* context); /* NULL is fine */
+
+/* The bound on the library's own working memory (logits chunks and scratch), in bytes. Calls plan
+ * their chunks to fit it; a problem whose smallest chunk (one row) does not fit fails with
+ * LMLOSS_ERROR_INVALID_ARGUMENT. Default LMLOSS_DEFAULT_WORKSPACE_BYTES. */
+LMLOSS_API lmloss_status lmloss_context_set_workspace_budget(lmloss_context* context, size_t bytes);
+LMLOSS_API lmloss_status lmloss_context_get_workspace_budget(const lmloss_context* context,
+                                                             size_t* bytes);
+/* The most workspace bytes held at once since creation or the last reset. */
+LMLOSS_API lmloss_status lmloss_context_get_peak_workspace(const lmloss_context* context,
+                                                           size_t* bytes);
+LMLOSS_API lmloss_status lmloss_context_reset_peak_workspace(lmloss_context* context);
+/* CPU threads for the row kernels and the BLAS; 0 = all cores (default). */
+LMLOSS_API lmloss_status lmloss_context_set_num_threads(lmloss_context* context, int num_threads);
+
+/* CUDA: the stream (a cudaStream_t; NULL = the legacy default stream) on which calls enqueue work.
+ * Calls never synchronise it. */
+LMLOSS_API lmloss_status lmloss_context_set_stream(lmloss_context* context, void* stream);
+/* CUDA: take workspace from this allocator instead of cudaMallocAsync. NULL restores the default. */
+LMLOSS_API lmloss_status lmloss_context_set_allocator(lmloss_context* context,
+                                                      const lmloss_allocator* allocator);
+/* Waits for the context's stream and reports what the device found since the last check:
+ * LMLOSS_ERROR_ID_OUT_OF_RANGE when a label or teacher id was out of range (that token's loss
+ * is NaN and its gradient zero), then clears the flag. On the CPU such ids are caught before any
+ * output is written, so this returns LMLOSS_SUCCESS. */
+LMLOSS_API lmloss_status lmloss_context_synchronize(lmloss_context* context);
+
+/* Whether a backend is compiled in and has a usable device (1) or not (0). */
+LMLOSS_API int lmloss_backend_available(lmloss_device_type device_type);
+
+/* ---- Losses -------------------------------------------------------------------------------- */
+
+typedef enum lmloss_reduction {
+  LMLOSS_REDUCTION_MEAN = 0, /* sum of l_t / D, D = counted tokens or the normalizer */
+  LMLOSS_REDUCTION_SUM = 1,
+  LMLOSS_REDUCTION_NONE = 2, /* the per-token vector l */
+  LMLOSS_REDUCTION_COUNT
+} lmloss_reduction;
+
+/* Option flags. */
+#define LMLOSS_ACCUMULATE_GRAD_WEIGHT 1u /* add into grad_weight instead of overwriting it */
+#define LMLOSS_ACCUMULATE_GRAD_BIAS 2u   /* add into grad_bias instead of overwriting it */
+
+typedef struct lmloss_loss_options {
+  uint32_t struct_size;        /* sizeof(lmloss_loss_options), set by the initializer */
+  lmloss_reduction reduction;
+  int64_t ignore_index;        /* a label equal to it is not counted; default -100 */
+  double normalizer;           /* mean: divide by this instead of the counted tokens when > 0 */
+  double ce_weight;            /* alpha, weight of cross-entropy; default 1 */
+  double kd_weight;            /* beta, weight of top-k distillation; default 0 */
+  double label_smoothing;      /* eps in [0, 1] */
+  double z_loss;               /* lambda >= 0 */
+  double softcap;              /* c > 0 caps the logits; 0: off */
+  double temperature;          /* T > 0; default 1 */
+  uint32_t flags;              /* LMLOSS_ACCUMULATE_* */
+} lmloss_loss_options;
+
+#define LMLOSS_LOSS_OPTIONS_INIT                                                              \
+  { (uint32_t)sizeof(lmloss_loss_options), LMLOSS_REDUCTION_MEAN, -100, 0.0, 1.0, 0.0, 0.0, \
+    0.0, 0.0, 1.0, 0u }
+
+static inline lmloss_loss_options lmloss_loss_options_default(void) {
+  lmloss_loss_options o = LMLOSS_LOSS_OPTIONS_INIT;
+  return o;
+}
+
+/* Where the logits come from: the caller's `logits`, or `hidden` and `weight` (and `bias`), in
+ * which case the library forms them a chunk at a time and never holds all of them. */
+typedef struct lmloss_head {
+  lmloss_tensor logits; /* (n_tokens, vocab) */
+  lmloss_tensor hidden; /* (n_tokens, hidden) */
+  lmloss_tensor weight; /* (vocab, hidden), nn.Linear layout */
+  lmloss_tensor bias;   /* (vocab), optional */
+} lmloss_head;
+
+/* What each token is scored against. Labels are needed when ce_weight != 0, the teacher's top-k
+ * when kd_weight != 0; at least one of labels and token_mask says which tokens count. */
+typedef struct lmloss_targets {
+  lmloss_tensor labels;        /* (n_tokens) i32 or i64, in [0, vocab) or ignore_index */
+  lmloss_tensor teacher_ids;   /* (n_tokens, top_k) i32 or i64, in [0, vocab) */
+  lmloss_tensor teacher_probs; /* (n_tokens, top_k) f32 (f64 with f64 inputs) */
+  lmloss_tensor token_mask;    /* (n_tokens) u8, optional: 0 = not counted */
+} lmloss_targets;
+
+/* Gradients wanted: leave a tensor absent (data NULL) to skip it. Float tensors of the input's
+ * dtype or f32; grad_logits has the logits' dtype and may be the logits themselves (same data and
+ * stride: the gradient is then written in place). */
+typedef struct lmloss_grads {
+  lmloss_tensor grad_logits; /* (n_tokens, vocab), logits inputs only */
+  lmloss_tensor grad_hidden; /* (n_tokens, hidden) */
+  lmloss_tensor grad_weight; /* (vocab, hidden); f32 recommended when accumulating */
+  lmloss_tensor grad_bias;   /* (vocab) */
+} lmloss_grads;
+
+/* Forward. `loss` is a scalar (mean, sum) or (n_tokens) (none) of the compute dtype: f32, or f64
+ * for f64 inputs; it is written on the inputs' device and not synchronised. `lse` (n_tokens),
+ * optional, saves log-sum-exp of the scaled logits for lmloss_loss_backward. */
+LMLOSS_API lmloss_status lmloss_loss_forward(lmloss_context* context, const lmloss_head* head,
+                                             const lmloss_targets* targets,
+                                             const lmloss_loss_options* options,
+                                             const lmloss_tensor* loss, const lmloss_tensor* lse);
+
+/* Backward from a saved `lse`: recomputes the logits a chunk at a time. `grad_loss` is the
+ * upstream gradient: a scalar (mean, sum) or (n_tokens) (none), of the compute dtype; NULL or
+ * absent means 1. */
+LMLOSS_API lmloss_status lmloss_loss_backward(lmloss_context* context, const lmloss_head* head,
+                                              const lmloss_targets* targets,
+                                              const lmloss_loss_options* options,
+                                              const lmloss_tensor* lse,
+                                              const lmloss_tensor* grad_loss,
+                                              const lmloss_grads* grads);
+
+/* Forward and backward in one pass over the logits (what training uses): each chunk's logits are
+ * formed once and their gradient taken before the next chunk. `lse` is optional. */
+LMLOSS_API lmloss_status lmloss_loss_forward_backward(
+    lmloss_context* context, const lmloss_head* head, const lmloss_targets* targets,
+    const lmloss_loss_options* options, const lmloss_tensor* grad_loss, const lmloss_tensor* loss,
+    const lmloss_tensor* lse, const lmloss_grads* grads);
+
+/* ---- Teacher top-k ------------------------------------------------------------------------- */
+
+typedef struct lmloss_topk_options {
+  uint32_t struct_size; /* sizeof(lmloss_topk_options), set by the initializer */
+  int64_t k;            /* 1 <= k <= vocab */
+  double softcap;       /* as in lmloss_loss_options */
+  double temperature;
+  int32_t renormalize;  /* 1: probs = softmax over the k selected; 0: full-vocabulary p, tail set */
+} lmloss_topk_options;
+
+#define LMLOSS_TOPK_OPTIONS_INIT { (uint32_t)sizeof(lmloss_topk_options), 1, 0.0, 1.0, 1 }
+
+static inline lmloss_topk_options lmloss_topk_options_default(void) {
+  lmloss_topk_options o = LMLOSS_TOPK_OPTIONS_INIT;
+  return o;
+}
+
+/* The k largest scaled logits of each row: ids (n_tokens, k) i32 sorted by descending value, ties
+ * to the lower id; probs (n_tokens, k) of the compute dtype; tail (n_tokens), optional, the mass
+ * outside the k (1 - sum of probs when not renormalised, 0 when renormalised). */
+LMLOSS_API lmloss_status lmloss_topk(lmloss_context* context, const lmloss_head* head,
+                                     const lmloss_topk_options* options, const lmloss_tensor* ids,
+                                     const lmloss_tensor* probs, const lmloss_tensor* tail);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* LMLOSS_LMLOSS_H */

@@ -1,0 +1,89 @@
+// The seam between the public calls and the backends. The public calls (src/core/api.cpp)
+// validate every argument once and hand a backend a checked call; a backend never re-validates
+// shapes, only does the work. CPU and CUDA implement the same two entry points.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "lmloss/lmloss.h"
+
+namespace lmloss::core {
+
+enum class Mode { forward, backward, forward_backward };
+
+// A validated loss call. Tensors absent from the call have data == nullptr.
+struct LossCall {
+  Mode mode = Mode::forward;
+  lmloss_head head{};
+  lmloss_targets targets{};
+  lmloss_loss_options options{};
+  lmloss_tensor loss{};       // forward, forward_backward: () or (n_tokens)
+  lmloss_tensor lse{};        // forward: output, optional; backward: input; fused: optional output
+  lmloss_tensor grad_loss{};  // backward, forward_backward: optional upstream gradient
+  lmloss_grads grads{};
+
+  int64_t n_tokens = 0;
+  int64_t vocab = 0;
+  int64_t hidden = 0;  // 0 for logits inputs
+  int64_t top_k = 0;   // 0 without a teacher
+  bool linear = false;         // logits formed from hidden and weight
+  bool in_place = false;       // grads.grad_logits is the logits buffer
+  lmloss_dtype input_dtype = LMLOSS_F32;    // of logits or hidden/weight
+  lmloss_dtype compute_dtype = LMLOSS_F32;  // F64 for F64 inputs, else F32
+  lmloss_device_type device_type = LMLOSS_DEVICE_CPU;
+  int32_t device_index = 0;
+
+  bool wants_loss() const { return mode != Mode::backward; }
+  bool wants_grads() const { return mode != Mode::forward; }
+  bool has_labels() const { return targets.labels.data != nullptr; }
+  bool has_teacher() const { return targets.teacher_ids.data != nullptr; }
+  bool has_mask() const { return targets.token_mask.data != nullptr; }
+};
+
+// A validated top-k call.
+struct TopkCall {
+  lmloss_head head{};
+  lmloss_topk_options options{};
+  lmloss_tensor ids{};    // (n_tokens, k) i32
+  lmloss_tensor probs{};  // (n_tokens, k) compute dtype
+  lmloss_tensor tail{};   // (n_tokens) compute dtype, optional
+
+  int64_t n_tokens = 0;
+  int64_t vocab = 0;
+  int64_t hidden = 0;
+  bool linear = false;
+  lmloss_dtype input_dtype = LMLOSS_F32;
+  lmloss_dtype compute_dtype = LMLOSS_F32;
+  lmloss_device_type device_type = LMLOSS_DEVICE_CPU;
+  int32_t device_index = 0;
+};
+
+// Per-context state a backend keeps (handles, cached plans, device buffers). Owned by the
+// context, destroyed with it.
+class BackendState {
+ public:
+  virtual ~BackendState() = default;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  // Whether the backend can run here (a device and driver for CUDA).
+  virtual bool available() const = 0;
+  // Checks what only the backend knows (dtype support, id ranges it can read before writing);
+  // runs before anything is written. Returns LMLOSS_SUCCESS or sets the error message.
+  virtual lmloss_status check(lmloss_context& context, const LossCall& call) = 0;
+  virtual lmloss_status check(lmloss_context& context, const TopkCall& call) = 0;
+  virtual lmloss_status run(lmloss_context& context, const LossCall& call) = 0;
+  virtual lmloss_status run(lmloss_context& context, const TopkCall& call) = 0;
+  // lmloss_context_synchronize: wait for queued work, report device-side errors.
+  virtual lmloss_status synchronize(lmloss_context& context) = 0;
+};
+
+Backend& cpu_backend();
+// nullptr when the library was built without CUDA.
+Backend* cuda_backend();
+
+}  // namespace lmloss::core

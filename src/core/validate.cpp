@@ -1,0 +1,343 @@
+// Validation of the public calls. Each check names the argument as the header does
+// ("head.weight", "targets.labels", "options.temperature") so a caller can find it.
+#include "core/validate.hpp"
+
+#include <cmath>
+#include <string>
+
+#include "core/context.hpp"
+#include "core/dtype.hpp"
+
+namespace lmloss::core {
+namespace {
+
+std::string shape_string(const lmloss_tensor& t) {
+  if (t.ndim == 0) return "()";
+  if (t.ndim == 1) return "(" + std::to_string(t.shape[0]) + ")";
+  return "(" + std::to_string(t.shape[0]) + ", " + std::to_string(t.shape[1]) + ")";
+}
+
+lmloss_status invalid(const std::string& name, const std::string& what) {
+  return fail(LMLOSS_ERROR_INVALID_ARGUMENT, name + ": " + what);
+}
+
+// Structural checks every present tensor passes: known dtype and device, sane rank and stride.
+lmloss_status check_tensor(const lmloss_tensor& t, const char* name) {
+  if (t.data == nullptr) return LMLOSS_SUCCESS;
+  if (t.dtype < 0 || t.dtype >= LMLOSS_DTYPE_COUNT) return invalid(name, "unknown dtype");
+  if (t.device_type < 0 || t.device_type >= LMLOSS_DEVICE_TYPE_COUNT)
+    return invalid(name, "unknown device type");
+  if (t.device_index < 0) return invalid(name, "negative device index");
+  if (t.ndim < 0 || t.ndim > 2) return invalid(name, "rank must be 0, 1 or 2, got " + std::to_string(t.ndim));
+  for (int d = 0; d < t.ndim; ++d)
+    if (t.shape[d] < 0) return invalid(name, "negative shape " + shape_string(t));
+  if (t.stride < 0) return invalid(name, "negative stride");
+  if (t.ndim == 2 && t.stride != 0 && t.stride < t.shape[1])
+    return invalid(name, "row stride " + std::to_string(t.stride) + " is smaller than the row length " +
+                             std::to_string(t.shape[1]));
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status expect_shape(const lmloss_tensor& t, const char* name, int ndim, int64_t d0, int64_t d1,
+                           const char* meaning) {
+  const bool scalar_ok = ndim == 0 && (t.ndim == 0 || (t.ndim == 1 && t.shape[0] == 1));
+  const bool match = scalar_ok || (t.ndim == ndim && (ndim < 1 || t.shape[0] == d0) &&
+                                   (ndim < 2 || t.shape[1] == d1));
+  if (match) return LMLOSS_SUCCESS;
+  return invalid(name, std::string("expected shape ") + meaning + ", got " + shape_string(t));
+}
+
+lmloss_status expect_dtype(const lmloss_tensor& t, const char* name, lmloss_dtype a, lmloss_dtype b,
+                           const char* what) {
+  if (t.dtype == a || t.dtype == b) return LMLOSS_SUCCESS;
+  return invalid(name, std::string("dtype ") + dtype_name(t.dtype) + " not allowed; expected " + what);
+}
+
+bool finite(double x) { return std::isfinite(x); }
+
+// All present tensors live on one device, which becomes the call's.
+struct DeviceCheck {
+  bool seen = false;
+  lmloss_device_type type = LMLOSS_DEVICE_CPU;
+  int32_t index = 0;
+  lmloss_status add(const lmloss_tensor& t, const char* name) {
+    if (t.data == nullptr) return LMLOSS_SUCCESS;
+    if (!seen) {
+      seen = true;
+      type = t.device_type;
+      index = t.device_index;
+      return LMLOSS_SUCCESS;
+    }
+    if (t.device_type != type || t.device_index != index)
+      return invalid(name, "is on another device than the other tensors");
+    return LMLOSS_SUCCESS;
+  }
+};
+
+// The head: logits, or hidden + weight (+ bias). Fills the shape fields of a call.
+template <typename Call>
+lmloss_status check_head(const lmloss_head& head, Call& call) {
+  LMLOSS_CHECK(check_tensor(head.logits, "head.logits"));
+  LMLOSS_CHECK(check_tensor(head.hidden, "head.hidden"));
+  LMLOSS_CHECK(check_tensor(head.weight, "head.weight"));
+  LMLOSS_CHECK(check_tensor(head.bias, "head.bias"));
+  const bool has_logits = head.logits.data != nullptr;
+  const bool has_hidden = head.hidden.data != nullptr;
+  const bool has_weight = head.weight.data != nullptr;
+  if (has_logits && (has_hidden || has_weight || head.bias.data))
+    return invalid("head.logits", "give either logits or hidden and weight, not both");
+  if (!has_logits && !(has_hidden && has_weight)) {
+    if (has_hidden) return invalid("head.weight", "is missing (hidden states need the head's weight)");
+    if (has_weight) return invalid("head.hidden", "is missing (the weight needs hidden states)");
+    return invalid("head.logits", "is missing: give logits, or hidden and weight");
+  }
+  if (has_logits) {
+    const lmloss_tensor& z = head.logits;
+    if (z.ndim != 2) return invalid("head.logits", "expected shape (n_tokens, vocab), got " + shape_string(z));
+    if (!is_float(z.dtype))
+      return invalid("head.logits", std::string("dtype ") + dtype_name(z.dtype) + " not allowed; expected f32, bf16, f16 or f64");
+    call.linear = false;
+    call.n_tokens = z.shape[0];
+    call.vocab = z.shape[1];
+    call.hidden = 0;
+    call.input_dtype = z.dtype;
+  } else {
+    const lmloss_tensor& x = head.hidden;
+    const lmloss_tensor& w = head.weight;
+    if (x.ndim != 2) return invalid("head.hidden", "expected shape (n_tokens, hidden), got " + shape_string(x));
+    if (w.ndim != 2) return invalid("head.weight", "expected shape (vocab, hidden), got " + shape_string(w));
+    if (!is_float(x.dtype))
+      return invalid("head.hidden", std::string("dtype ") + dtype_name(x.dtype) + " not allowed; expected f32, bf16, f16 or f64");
+    if (w.dtype != x.dtype)
+      return invalid("head.weight", std::string("dtype ") + dtype_name(w.dtype) + " differs from head.hidden's " + dtype_name(x.dtype));
+    if (w.shape[1] != x.shape[1])
+      return invalid("head.weight", "expected shape (vocab, " + std::to_string(x.shape[1]) + ") to match head.hidden, got " + shape_string(w));
+    call.linear = true;
+    call.n_tokens = x.shape[0];
+    call.vocab = w.shape[0];
+    call.hidden = x.shape[1];
+    call.input_dtype = x.dtype;
+    if (call.hidden < 1) return invalid("head.hidden", "hidden size must be at least 1");
+    if (head.bias.data) {
+      LMLOSS_CHECK(expect_shape(head.bias, "head.bias", 1, call.vocab, 0, "(vocab)"));
+      if (head.bias.dtype != x.dtype)
+        return invalid("head.bias", std::string("dtype ") + dtype_name(head.bias.dtype) + " differs from head.hidden's " + dtype_name(x.dtype));
+    }
+  }
+  if (call.n_tokens < 1) return invalid(call.linear ? "head.hidden" : "head.logits", "needs at least one token");
+  if (call.vocab < 1) return invalid(call.linear ? "head.weight" : "head.logits", "vocabulary must have at least one entry");
+  call.head = head;
+  call.compute_dtype = compute_dtype_of(call.input_dtype);
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status check_scaling(double softcap, double temperature, const char* softcap_name,
+                            const char* temperature_name) {
+  if (!finite(softcap) || softcap < 0) return invalid(softcap_name, "must be finite and >= 0 (0 turns soft-capping off)");
+  if (!finite(temperature) || temperature <= 0) return invalid(temperature_name, "must be finite and > 0");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status check_options(const lmloss_loss_options& o) {
+  if (o.struct_size != sizeof(lmloss_loss_options))
+    return invalid("options.struct_size", "must be sizeof(lmloss_loss_options); initialise with LMLOSS_LOSS_OPTIONS_INIT");
+  if (o.reduction < 0 || o.reduction >= LMLOSS_REDUCTION_COUNT) return invalid("options.reduction", "unknown reduction");
+  if (!finite(o.normalizer) || o.normalizer < 0) return invalid("options.normalizer", "must be finite and >= 0 (0: the counted tokens)");
+  if (!finite(o.ce_weight)) return invalid("options.ce_weight", "must be finite");
+  if (!finite(o.kd_weight)) return invalid("options.kd_weight", "must be finite");
+  if (!finite(o.label_smoothing) || o.label_smoothing < 0 || o.label_smoothing > 1)
+    return invalid("options.label_smoothing", "must be in [0, 1]");
+  if (!finite(o.z_loss) || o.z_loss < 0) return invalid("options.z_loss", "must be finite and >= 0");
+  LMLOSS_CHECK(check_scaling(o.softcap, o.temperature, "options.softcap", "options.temperature"));
+  if (o.flags & ~(LMLOSS_ACCUMULATE_GRAD_WEIGHT | LMLOSS_ACCUMULATE_GRAD_BIAS))
+    return invalid("options.flags", "unknown flag bits");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status check_targets(const lmloss_targets& t, const lmloss_loss_options& o, LossCall& call) {
+  LMLOSS_CHECK(check_tensor(t.labels, "targets.labels"));
+  LMLOSS_CHECK(check_tensor(t.teacher_ids, "targets.teacher_ids"));
+  LMLOSS_CHECK(check_tensor(t.teacher_probs, "targets.teacher_probs"));
+  LMLOSS_CHECK(check_tensor(t.token_mask, "targets.token_mask"));
+  const int64_t n = call.n_tokens;
+  if (t.labels.data) {
+    LMLOSS_CHECK(expect_shape(t.labels, "targets.labels", 1, n, 0, "(n_tokens)"));
+    LMLOSS_CHECK(expect_dtype(t.labels, "targets.labels", LMLOSS_I32, LMLOSS_I64, "i32 or i64"));
+  } else if (o.ce_weight != 0) {
+    return invalid("targets.labels", "are missing but options.ce_weight is not 0");
+  }
+  if (t.token_mask.data) {
+    LMLOSS_CHECK(expect_shape(t.token_mask, "targets.token_mask", 1, n, 0, "(n_tokens)"));
+    LMLOSS_CHECK(expect_dtype(t.token_mask, "targets.token_mask", LMLOSS_U8, LMLOSS_U8, "u8"));
+  }
+  if (t.teacher_ids.data || t.teacher_probs.data) {
+    if (!t.teacher_ids.data) return invalid("targets.teacher_ids", "are missing while teacher_probs are given");
+    if (!t.teacher_probs.data) return invalid("targets.teacher_probs", "are missing while teacher_ids are given");
+    if (t.teacher_ids.ndim != 2 || t.teacher_ids.shape[0] != n)
+      return invalid("targets.teacher_ids", "expected shape (n_tokens, top_k), got " + shape_string(t.teacher_ids));
+    const int64_t k = t.teacher_ids.shape[1];
+    if (k < 1 || k > call.vocab)
+      return invalid("targets.teacher_ids", "top_k " + std::to_string(k) + " must be in [1, vocab = " + std::to_string(call.vocab) + "]");
+    LMLOSS_CHECK(expect_dtype(t.teacher_ids, "targets.teacher_ids", LMLOSS_I32, LMLOSS_I64, "i32 or i64"));
+    LMLOSS_CHECK(expect_shape(t.teacher_probs, "targets.teacher_probs", 2, n, k, "(n_tokens, top_k) like targets.teacher_ids"));
+    LMLOSS_CHECK(expect_dtype(t.teacher_probs, "targets.teacher_probs", call.compute_dtype, call.compute_dtype,
+                              dtype_name(call.compute_dtype)));
+    call.top_k = k;
+  } else if (o.kd_weight != 0) {
+    return invalid("targets.teacher_ids", "are missing but options.kd_weight is not 0");
+  }
+  call.targets = t;
+  return LMLOSS_SUCCESS;
+}
+
+// A gradient tensor: the input's dtype or f32 (f64 inputs: f64).
+lmloss_status check_grad(const lmloss_tensor& g, const char* name, int ndim, int64_t d0, int64_t d1,
+                         const char* meaning, lmloss_dtype input, lmloss_dtype compute) {
+  if (!g.data) return LMLOSS_SUCCESS;
+  LMLOSS_CHECK(expect_shape(g, name, ndim, d0, d1, meaning));
+  const std::string allowed = input == compute ? dtype_name(input) : std::string(dtype_name(input)) + " or " + dtype_name(compute);
+  return expect_dtype(g, name, input, compute, allowed.c_str());
+}
+
+}  // namespace
+
+lmloss_status validate_loss(Mode mode, const lmloss_head* head, const lmloss_targets* targets,
+                            const lmloss_loss_options* options, const lmloss_tensor* loss,
+                            const lmloss_tensor* lse, const lmloss_tensor* grad_loss,
+                            const lmloss_grads* grads, LossCall& call) {
+  if (!head) return invalid("head", "is NULL");
+  if (!targets) return invalid("targets", "is NULL");
+  if (!options) return invalid("options", "is NULL");
+  call = LossCall{};
+  call.mode = mode;
+  LMLOSS_CHECK(check_options(*options));
+  call.options = *options;
+  LMLOSS_CHECK(check_head(*head, call));
+  LMLOSS_CHECK(check_targets(*targets, *options, call));
+  const int64_t n = call.n_tokens;
+  const lmloss_dtype compute = call.compute_dtype;
+  const bool per_token = options->reduction == LMLOSS_REDUCTION_NONE;
+  const lmloss_tensor none = lmloss_tensor_none();
+
+  if (mode != Mode::backward) {
+    if (!loss || !loss->data) return invalid("loss", "is missing");
+    LMLOSS_CHECK(check_tensor(*loss, "loss"));
+    LMLOSS_CHECK(per_token ? expect_shape(*loss, "loss", 1, n, 0, "(n_tokens) for reduction none")
+                           : expect_shape(*loss, "loss", 0, 0, 0, "() for reduction mean or sum"));
+    LMLOSS_CHECK(expect_dtype(*loss, "loss", compute, compute, dtype_name(compute)));
+    call.loss = *loss;
+  } else {
+    call.loss = none;
+  }
+  call.lse = lse ? *lse : none;
+  if (mode == Mode::backward && !call.lse.data)
+    return invalid("lse", "is missing: the backward recomputes from the forward's saved lse");
+  if (call.lse.data) {
+    LMLOSS_CHECK(check_tensor(call.lse, "lse"));
+    LMLOSS_CHECK(expect_shape(call.lse, "lse", 1, n, 0, "(n_tokens)"));
+    LMLOSS_CHECK(expect_dtype(call.lse, "lse", compute, compute, dtype_name(compute)));
+  }
+  call.grad_loss = (mode != Mode::forward && grad_loss) ? *grad_loss : none;
+  if (call.grad_loss.data) {
+    LMLOSS_CHECK(check_tensor(call.grad_loss, "grad_loss"));
+    LMLOSS_CHECK(per_token ? expect_shape(call.grad_loss, "grad_loss", 1, n, 0, "(n_tokens) for reduction none")
+                           : expect_shape(call.grad_loss, "grad_loss", 0, 0, 0, "() for reduction mean or sum"));
+    LMLOSS_CHECK(expect_dtype(call.grad_loss, "grad_loss", compute, compute, dtype_name(compute)));
+  }
+
+  call.grads = lmloss_grads{none, none, none, none};
+  if (mode != Mode::forward && grads) {
+    const lmloss_grads& g = *grads;
+    LMLOSS_CHECK(check_tensor(g.grad_logits, "grads.grad_logits"));
+    LMLOSS_CHECK(check_tensor(g.grad_hidden, "grads.grad_hidden"));
+    LMLOSS_CHECK(check_tensor(g.grad_weight, "grads.grad_weight"));
+    LMLOSS_CHECK(check_tensor(g.grad_bias, "grads.grad_bias"));
+    if (call.linear) {
+      if (g.grad_logits.data) return invalid("grads.grad_logits", "only for logits inputs; a linear head gives grad_hidden, grad_weight, grad_bias");
+      LMLOSS_CHECK(check_grad(g.grad_hidden, "grads.grad_hidden", 2, n, call.hidden, "(n_tokens, hidden)", call.input_dtype, compute));
+      LMLOSS_CHECK(check_grad(g.grad_weight, "grads.grad_weight", 2, call.vocab, call.hidden, "(vocab, hidden)", call.input_dtype, compute));
+      if (g.grad_bias.data && !head->bias.data) return invalid("grads.grad_bias", "is given but the head has no bias");
+      LMLOSS_CHECK(check_grad(g.grad_bias, "grads.grad_bias", 1, call.vocab, 0, "(vocab)", call.input_dtype, compute));
+    } else {
+      if (g.grad_hidden.data || g.grad_weight.data || g.grad_bias.data)
+        return invalid(g.grad_hidden.data ? "grads.grad_hidden" : g.grad_weight.data ? "grads.grad_weight" : "grads.grad_bias",
+                       "only for a linear head; logits inputs give grad_logits");
+      if (g.grad_logits.data) {
+        LMLOSS_CHECK(expect_shape(g.grad_logits, "grads.grad_logits", 2, n, call.vocab, "(n_tokens, vocab) like head.logits"));
+        LMLOSS_CHECK(expect_dtype(g.grad_logits, "grads.grad_logits", call.input_dtype, call.input_dtype, dtype_name(call.input_dtype)));
+        if (g.grad_logits.data == head->logits.data) {
+          if (row_stride(g.grad_logits) != row_stride(head->logits))
+            return invalid("grads.grad_logits", "aliases head.logits with another row stride");
+          call.in_place = true;
+        }
+      }
+    }
+    call.grads = g;
+  }
+
+  DeviceCheck device;
+  LMLOSS_CHECK(device.add(call.head.logits, "head.logits"));
+  LMLOSS_CHECK(device.add(call.head.hidden, "head.hidden"));
+  LMLOSS_CHECK(device.add(call.head.weight, "head.weight"));
+  LMLOSS_CHECK(device.add(call.head.bias, "head.bias"));
+  LMLOSS_CHECK(device.add(call.targets.labels, "targets.labels"));
+  LMLOSS_CHECK(device.add(call.targets.teacher_ids, "targets.teacher_ids"));
+  LMLOSS_CHECK(device.add(call.targets.teacher_probs, "targets.teacher_probs"));
+  LMLOSS_CHECK(device.add(call.targets.token_mask, "targets.token_mask"));
+  LMLOSS_CHECK(device.add(call.loss, "loss"));
+  LMLOSS_CHECK(device.add(call.lse, "lse"));
+  LMLOSS_CHECK(device.add(call.grad_loss, "grad_loss"));
+  LMLOSS_CHECK(device.add(call.grads.grad_logits, "grads.grad_logits"));
+  LMLOSS_CHECK(device.add(call.grads.grad_hidden, "grads.grad_hidden"));
+  LMLOSS_CHECK(device.add(call.grads.grad_weight, "grads.grad_weight"));
+  LMLOSS_CHECK(device.add(call.grads.grad_bias, "grads.grad_bias"));
+  call.device_type = device.type;
+  call.device_index = device.index;
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status validate_topk(const lmloss_head* head, const lmloss_topk_options* options,
+                            const lmloss_tensor* ids, const lmloss_tensor* probs,
+                            const lmloss_tensor* tail, TopkCall& call) {
+  if (!head) return invalid("head", "is NULL");
+  if (!options) return invalid("options", "is NULL");
+  call = TopkCall{};
+  if (options->struct_size != sizeof(lmloss_topk_options))
+    return invalid("options.struct_size", "must be sizeof(lmloss_topk_options); initialise with LMLOSS_TOPK_OPTIONS_INIT");
+  LMLOSS_CHECK(check_head(*head, call));
+  call.options = *options;
+  const int64_t k = options->k;
+  if (k < 1 || k > call.vocab)
+    return invalid("options.k", std::to_string(k) + " must be in [1, vocab = " + std::to_string(call.vocab) + "]");
+  LMLOSS_CHECK(check_scaling(options->softcap, options->temperature, "options.softcap", "options.temperature"));
+  if (options->renormalize != 0 && options->renormalize != 1) return invalid("options.renormalize", "must be 0 or 1");
+  if (!ids || !ids->data) return invalid("ids", "is missing");
+  if (!probs || !probs->data) return invalid("probs", "is missing");
+  LMLOSS_CHECK(check_tensor(*ids, "ids"));
+  LMLOSS_CHECK(check_tensor(*probs, "probs"));
+  LMLOSS_CHECK(expect_shape(*ids, "ids", 2, call.n_tokens, k, "(n_tokens, k)"));
+  LMLOSS_CHECK(expect_dtype(*ids, "ids", LMLOSS_I32, LMLOSS_I32, "i32"));
+  LMLOSS_CHECK(expect_shape(*probs, "probs", 2, call.n_tokens, k, "(n_tokens, k)"));
+  LMLOSS_CHECK(expect_dtype(*probs, "probs", call.compute_dtype, call.compute_dtype, dtype_name(call.compute_dtype)));
+  call.ids = *ids;
+  call.probs = *probs;
+  call.tail = tail ? *tail : lmloss_tensor_none();
+  if (call.tail.data) {
+    LMLOSS_CHECK(check_tensor(call.tail, "tail"));
+    LMLOSS_CHECK(expect_shape(call.tail, "tail", 1, call.n_tokens, 0, "(n_tokens)"));
+    LMLOSS_CHECK(expect_dtype(call.tail, "tail", call.compute_dtype, call.compute_dtype, dtype_name(call.compute_dtype)));
+  }
+  DeviceCheck device;
+  LMLOSS_CHECK(device.add(call.head.logits, "head.logits"));
+  LMLOSS_CHECK(device.add(call.head.hidden, "head.hidden"));
+  LMLOSS_CHECK(device.add(call.head.weight, "head.weight"));
+  LMLOSS_CHECK(device.add(call.head.bias, "head.bias"));
+  LMLOSS_CHECK(device.add(call.ids, "ids"));
+  LMLOSS_CHECK(device.add(call.probs, "probs"));
+  LMLOSS_CHECK(device.add(call.tail, "tail"));
+  call.device_type = device.type;
+  call.device_index = device.index;
+  return LMLOSS_SUCCESS;
+}
+
+}  // namespace lmloss::core

@@ -1,0 +1,21 @@
+// Argument validation for the public calls: every rule of the contract that can be checked
+// without reading the device, with a message that names the argument. Nothing is written here.
+#pragma once
+
+#include "core/backend.hpp"
+#include "lmloss/lmloss.h"
+
+namespace lmloss::core {
+
+// Checks the arguments of a loss call and fills `call`. `loss`, `lse`, `grad_loss` and `grads`
+// may be null where the mode does not use them.
+lmloss_status validate_loss(Mode mode, const lmloss_head* head, const lmloss_targets* targets,
+                            const lmloss_loss_options* options, const lmloss_tensor* loss,
+                            const lmloss_tensor* lse, const lmloss_tensor* grad_loss,
+                            const lmloss_grads* grads, LossCall& call);
+
+lmloss_status validate_topk(const lmloss_head* head, const lmloss_topk_options* options,
+                            const lmloss_tensor* ids, const lmloss_tensor* probs,
+                            const lmloss_tensor* tail, TopkCall& call);
+
+}  // namespace lmloss::core

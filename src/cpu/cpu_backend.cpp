@@ -1,0 +1,606 @@
+// The CPU backend: every loss and the teacher top-k, a chunk of token rows at a time.
+//
+// For each chunk of R rows (R from the workspace budget):
+//   Z (R, vocab)   = X_chunk W^T + b      BLAS, or the caller's logits converted to the compute type
+//   row pass       max, lse, loss and dL/dz, in place over Z (one row per thread, row_math.hpp)
+//   dX_chunk       = dZ W                 BLAS
+//   dW            += dZ^T X_chunk         BLAS, accumulated over chunks in the compute type
+//   db            += column sums of dZ    fixed order, so results are deterministic
+// The full (n_tokens, vocab) logits never exist. bf16/f16 inputs are converted to f32 a chunk (and
+// a vocabulary slice of W) at a time; when all of W fits in a quarter of the budget it is
+// converted once per call.
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/backend.hpp"
+#include "core/context.hpp"
+#include "core/dtype.hpp"
+#include "core/row_math.hpp"
+#include "cpu/blas.hpp"
+
+namespace lmloss::cpu {
+namespace {
+
+using core::LossCall;
+using core::Mode;
+using core::TopkCall;
+
+// Host memory counted against the context's workspace.
+template <typename T>
+class Workspace {
+ public:
+  Workspace() = default;
+  Workspace(lmloss_context& context, size_t count)
+      : context_(&context), data_(count ? new T[count] : nullptr), bytes_(count * sizeof(T)) {
+    core::note_workspace_acquired(context, bytes_);
+  }
+  Workspace(Workspace&&) = default;
+  Workspace& operator=(Workspace&& other) {
+    release();
+    context_ = other.context_;
+    data_ = std::move(other.data_);
+    bytes_ = std::exchange(other.bytes_, 0);
+    return *this;
+  }
+  ~Workspace() { release(); }
+  T* get() const { return data_.get(); }
+
+ private:
+  void release() {
+    if (context_ && bytes_) core::note_workspace_released(*context_, bytes_);
+    bytes_ = 0;
+  }
+  lmloss_context* context_ = nullptr;
+  std::unique_ptr<T[]> data_;
+  size_t bytes_ = 0;
+};
+
+int thread_count(const lmloss_context& context) {
+  return context.num_threads > 0 ? context.num_threads : omp_get_max_threads();
+}
+
+// Whether a tensor can be used by BLAS in place as a matrix of C.
+template <typename C>
+bool is_compute_type(const lmloss_tensor& t) {
+  return t.dtype == (sizeof(C) == 8 ? LMLOSS_F64 : LMLOSS_F32);
+}
+
+// ---- Planning ------------------------------------------------------------------------------
+
+// Workspace of one call: what is held for the whole call, and what each chunk row adds.
+struct Plan {
+  size_t fixed_bytes = 0;
+  size_t bytes_per_row = 0;
+  int64_t chunk_rows = 0;
+  int64_t weight_slice = 0;     // vocabulary rows of W converted at a time (linear, non-C inputs)
+  bool weight_converted_once = false;
+};
+
+template <typename C>
+Plan plan_head(const lmloss_context& context, bool linear, int64_t n_tokens, int64_t vocab,
+               int64_t hidden, lmloss_dtype input_dtype, size_t extra_fixed, size_t extra_per_row) {
+  Plan plan;
+  const size_t s = sizeof(C);
+  const bool convert = input_dtype != (s == 8 ? LMLOSS_F64 : LMLOSS_F32);
+  plan.bytes_per_row = size_t(vocab) * s + extra_per_row;
+  plan.fixed_bytes = extra_fixed;
+  if (linear) {
+    plan.fixed_bytes += size_t(vocab) * s;  // bias in the compute type
+    if (convert) {
+      plan.bytes_per_row += size_t(hidden) * s;  // the chunk of X, converted
+      const size_t whole_weight = size_t(vocab) * size_t(hidden) * s;
+      if (whole_weight <= context.workspace_budget / 4) {
+        plan.weight_slice = vocab;
+        plan.weight_converted_once = true;
+      } else {
+        plan.weight_slice = std::max<int64_t>(1, int64_t(context.workspace_budget / 8 / (size_t(hidden) * s)));
+        plan.weight_slice = std::min(plan.weight_slice, vocab);
+      }
+      plan.fixed_bytes += size_t(plan.weight_slice) * size_t(hidden) * s;
+    } else {
+      plan.weight_slice = vocab;
+    }
+  }
+  plan.chunk_rows = core::plan_chunk_rows(context.workspace_budget, plan.fixed_bytes, plan.bytes_per_row, n_tokens);
+  return plan;
+}
+
+lmloss_status budget_error(const lmloss_context& context, const Plan& plan) {
+  return core::fail(LMLOSS_ERROR_INVALID_ARGUMENT,
+                    "context workspace budget: " + std::to_string(context.workspace_budget) +
+                        " bytes hold not even one row of logits; this problem needs at least " +
+                        std::to_string(plan.fixed_bytes + plan.bytes_per_row) + " bytes");
+}
+
+// ---- Producing a chunk of logits -----------------------------------------------------------
+
+// Forms Z (rows, vocab) of type C for token rows [row0, row0 + rows): the caller's logits
+// converted, or X W^T + b. For linear heads it also exposes the chunk of X and W's slices for the
+// backward products.
+template <typename C>
+class LogitsChunks {
+ public:
+  LogitsChunks(lmloss_context& context, const lmloss_head& head, bool linear, int64_t vocab,
+               int64_t hidden, const Plan& plan)
+      : context_(context), head_(head), linear_(linear), vocab_(vocab), hidden_(hidden), plan_(plan) {
+    convert_ = !is_compute_type<C>(linear ? head.hidden : head.logits);
+    if (linear) {
+      bias_ = Workspace<C>(context, size_t(vocab));
+      for (int64_t j = 0; j < vocab; ++j)
+        bias_.get()[j] = head.bias.data ? core::load_float<C>(head.bias.data, head.bias.dtype, j * core::row_stride(head.bias)) : C(0);
+      if (convert_) {
+        weight_ = Workspace<C>(context, size_t(plan.weight_slice) * size_t(hidden));
+        x_ = Workspace<C>(context, size_t(plan.chunk_rows) * size_t(hidden));
+        if (plan.weight_converted_once) convert_weight_slice(0, vocab);
+      }
+    }
+  }
+
+  // Z rows of this chunk, bias added (the row pass scales them).
+  void produce(int64_t row0, int64_t rows, C* z, int threads) {
+    if (!linear_) {
+      const lmloss_tensor& logits = head_.logits;
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t i = 0; i < rows; ++i) {
+        const void* src = core::row_ptr(logits, row0 + i);
+        C* dst = z + i * vocab_;
+        for (int64_t j = 0; j < vocab_; ++j) dst[j] = core::load_float<C>(src, logits.dtype, j);
+      }
+      return;
+    }
+    load_x(row0, rows, threads);
+    for (int64_t v0 = 0; v0 < vocab_; v0 += plan_.weight_slice) {
+      const int64_t vs = std::min(plan_.weight_slice, vocab_ - v0);
+      const C* w = weight_slice(v0, vs);
+      gemm(false, true, rows, vs, hidden_, C(1), x_rows(), x_stride(), w, weight_stride(), C(0), z + v0, vocab_);
+    }
+    const C* bias = bias_.get();
+    if (head_.bias.data) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < vocab_; ++j) z[i * vocab_ + j] += bias[j];
+    }
+  }
+
+  // dX (rows, hidden) = dZ W for the chunk last produced, into `dx` (leading dimension ldx).
+  void grad_hidden(int64_t rows, const C* dz, C* dx, int64_t ldx) {
+    for (int64_t v0 = 0; v0 < vocab_; v0 += plan_.weight_slice) {
+      const int64_t vs = std::min(plan_.weight_slice, vocab_ - v0);
+      const C* w = weight_slice(v0, vs);
+      gemm(false, false, rows, hidden_, vs, C(1), dz + v0, vocab_, w, weight_stride(), v0 == 0 ? C(0) : C(1), dx, ldx);
+    }
+  }
+
+  // dW (vocab, hidden) = beta dW + dZ^T X for the chunk last produced.
+  void grad_weight(int64_t rows, const C* dz, C beta, C* dw, int64_t ldw) {
+    gemm(true, false, vocab_, hidden_, rows, C(1), dz, vocab_, x_rows(), x_stride(), beta, dw, ldw);
+  }
+
+ private:
+  void load_x(int64_t row0, int64_t rows, int threads) {
+    row0_ = row0;
+    if (!convert_) return;
+    const lmloss_tensor& x = head_.hidden;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+      const void* src = core::row_ptr(x, row0 + i);
+      for (int64_t h = 0; h < hidden_; ++h) x_.get()[i * hidden_ + h] = core::load_float<C>(src, x.dtype, h);
+    }
+  }
+  const C* x_rows() const {
+    return convert_ ? x_.get() : static_cast<const C*>(core::row_ptr(head_.hidden, row0_));
+  }
+  int64_t x_stride() const { return convert_ ? hidden_ : core::row_stride(head_.hidden); }
+  int64_t weight_stride() const { return convert_ ? hidden_ : core::row_stride(head_.weight); }
+
+  const C* weight_slice(int64_t v0, int64_t vs) {
+    if (!convert_) return static_cast<const C*>(core::row_ptr(head_.weight, v0));
+    if (plan_.weight_converted_once) return weight_.get() + v0 * hidden_;
+    convert_weight_slice(v0, vs);
+    return weight_.get();
+  }
+  void convert_weight_slice(int64_t v0, int64_t vs) {
+    const lmloss_tensor& w = head_.weight;
+    const int threads = thread_count(context_);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t v = 0; v < vs; ++v) {
+      const void* src = core::row_ptr(w, v0 + v);
+      for (int64_t h = 0; h < hidden_; ++h) weight_.get()[v * hidden_ + h] = core::load_float<C>(src, w.dtype, h);
+    }
+  }
+
+  lmloss_context& context_;
+  const lmloss_head& head_;
+  bool linear_;
+  int64_t vocab_, hidden_;
+  Plan plan_;
+  bool convert_ = false;
+  int64_t row0_ = 0;
+  Workspace<C> bias_, weight_, x_;
+};
+
+// ---- The loss ------------------------------------------------------------------------------
+
+// Which tokens count: not ignore_index, mask true.
+bool counted(const LossCall& call, int64_t t) {
+  if (call.has_labels() &&
+      core::load_index(call.targets.labels.data, call.targets.labels.dtype, t * core::row_stride(call.targets.labels)) ==
+          call.options.ignore_index)
+    return false;
+  if (call.has_mask() && static_cast<const uint8_t*>(call.targets.token_mask.data)[t * core::row_stride(call.targets.token_mask)] == 0)
+    return false;
+  return true;
+}
+
+int64_t label_of(const LossCall& call, int64_t t) {
+  return core::load_index(call.targets.labels.data, call.targets.labels.dtype, t * core::row_stride(call.targets.labels));
+}
+
+int64_t teacher_id(const LossCall& call, int64_t t, int64_t k) {
+  return core::load_index(core::row_ptr(call.targets.teacher_ids, t), call.targets.teacher_ids.dtype, k);
+}
+
+template <typename C>
+C teacher_prob(const LossCall& call, int64_t t, int64_t k) {
+  return static_cast<const C*>(core::row_ptr(call.targets.teacher_probs, t))[k];
+}
+
+template <typename C>
+C read_scalar_or(const lmloss_tensor& t, int64_t i, C fallback) {
+  if (!t.data) return fallback;
+  return static_cast<const C*>(t.data)[t.ndim == 0 ? 0 : i * core::row_stride(t)];
+}
+
+template <typename C>
+class LossRunner {
+ public:
+  LossRunner(lmloss_context& context, const LossCall& call, const Plan& plan)
+      : context_(context), call_(call), plan_(plan), threads_(thread_count(context)),
+        scale_(core::LogitScale<C>::make(call.options.softcap, call.options.temperature)),
+        weights_(core::LossWeights<C>::make(call.options.ce_weight, call.options.kd_weight,
+                                            call.options.label_smoothing, call.options.z_loss, call.vocab)) {}
+
+  lmloss_status run() {
+    const LossCall& call = call_;
+    const int64_t n = call.n_tokens, vocab = call.vocab, hidden = call.hidden;
+    const bool wants_grads = call.wants_grads();
+    const lmloss_grads& g = call.grads;
+    const bool mean = call.options.reduction == LMLOSS_REDUCTION_MEAN;
+
+    // D, and the gradient scale per token, before anything is formed.
+    int64_t n_counted = 0;
+    for (int64_t t = 0; t < n; ++t) n_counted += counted(call, t) ? 1 : 0;
+    const double divisor = call.options.normalizer > 0 ? call.options.normalizer : double(n_counted);
+    inv_divisor_ = mean ? (divisor > 0 ? 1.0 / divisor : 0.0) : 1.0;
+
+    LogitsChunks<C> chunks(context_, call.head, call.linear, vocab, hidden, plan_);
+    Workspace<C> z(context_, size_t(plan_.chunk_rows) * size_t(vocab));
+    Workspace<C> row_loss(context_, size_t(plan_.chunk_rows));
+    Workspace<C> scratch(context_, size_t(threads_) * size_t(call.top_k + 1));
+    // Gradient buffers in the compute type, where the caller's are of another dtype.
+    const bool dx_direct = g.grad_hidden.data && is_compute_type<C>(g.grad_hidden);
+    const bool dw_direct = g.grad_weight.data && is_compute_type<C>(g.grad_weight);
+    Workspace<C> dx, dw, db;
+    if (wants_grads && g.grad_hidden.data && !dx_direct) dx = Workspace<C>(context_, size_t(plan_.chunk_rows) * size_t(hidden));
+    if (wants_grads && g.grad_weight.data && !dw_direct) dw = Workspace<C>(context_, size_t(vocab) * size_t(hidden));
+    if (wants_grads && g.grad_bias.data) {
+      db = Workspace<C>(context_, size_t(vocab));
+      std::fill(db.get(), db.get() + vocab, C(0));
+    }
+
+    double loss_sum = 0;
+    for (int64_t row0 = 0; row0 < n; row0 += plan_.chunk_rows) {
+      const int64_t rows = std::min(plan_.chunk_rows, n - row0);
+      chunks.produce(row0, rows, z.get(), threads_);
+#pragma omp parallel for num_threads(threads_) schedule(static)
+      for (int64_t i = 0; i < rows; ++i)
+        row_loss.get()[i] = process_row(row0 + i, z.get() + i * vocab, scratch.get() + size_t(omp_get_thread_num()) * size_t(call.top_k + 1));
+      if (call.wants_loss()) {
+        for (int64_t i = 0; i < rows; ++i) loss_sum += double(row_loss.get()[i]);  // fixed order
+        if (call.options.reduction == LMLOSS_REDUCTION_NONE)
+          for (int64_t i = 0; i < rows; ++i) static_cast<C*>(call.loss.data)[(row0 + i) * core::row_stride(call.loss)] = row_loss.get()[i];
+      }
+      if (!wants_grads) continue;
+      if (g.grad_logits.data) store_rows(g.grad_logits, row0, rows, z.get());
+      if (g.grad_hidden.data) {
+        if (dx_direct) {
+          chunks.grad_hidden(rows, z.get(), static_cast<C*>(core::row_ptr_mut(g.grad_hidden, row0)), core::row_stride(g.grad_hidden));
+        } else {
+          chunks.grad_hidden(rows, z.get(), dx.get(), hidden);
+          store_rows(g.grad_hidden, row0, rows, dx.get());
+        }
+      }
+      if (g.grad_weight.data) {
+        const bool first = row0 == 0;
+        const bool accumulate_caller = (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT) != 0;
+        if (dw_direct)
+          chunks.grad_weight(rows, z.get(), first && !accumulate_caller ? C(0) : C(1), static_cast<C*>(g.grad_weight.data), core::row_stride(g.grad_weight));
+        else
+          chunks.grad_weight(rows, z.get(), first ? C(0) : C(1), dw.get(), hidden);
+      }
+      if (g.grad_bias.data) add_column_sums(rows, z.get(), db.get());
+    }
+
+    if (call.wants_loss() && call.options.reduction != LMLOSS_REDUCTION_NONE)
+      *static_cast<C*>(call.loss.data) = C(loss_sum * inv_divisor_);
+    if (wants_grads && g.grad_weight.data && !dw_direct)
+      finish_accumulator(g.grad_weight, dw.get(), vocab, hidden, (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT) != 0);
+    if (wants_grads && g.grad_bias.data)
+      finish_accumulator(g.grad_bias, db.get(), 1, vocab, (call.options.flags & LMLOSS_ACCUMULATE_GRAD_BIAS) != 0);
+    return core::succeed();
+  }
+
+ private:
+  // One token: z (vocab) in, dL/dz (vocab) out in place when gradients are wanted. Returns the
+  // token's loss (0 when uncounted) and writes its lse.
+  C process_row(int64_t t, C* z, C* saved) const {
+    const LossCall& call = call_;
+    const int64_t vocab = call.vocab, k = call.top_k;
+    const bool is_counted = counted(call, t);
+    const bool scaled = call.options.softcap > 0 || call.options.temperature != 1.0;
+    if (scaled)
+      for (int64_t j = 0; j < vocab; ++j) z[j] = scale_.apply(z[j]);
+
+    C lse;
+    if (call.mode == Mode::backward) {
+      lse = static_cast<const C*>(call.lse.data)[t * core::row_stride(call.lse)];
+    } else {
+      C max_s = -std::numeric_limits<C>::infinity();
+      for (int64_t j = 0; j < vocab; ++j) max_s = z[j] > max_s ? z[j] : max_s;  // NaN passes to the sum
+      if (std::isinf(max_s)) max_s = 0;  // all -inf (or +inf) rows: keep the arithmetic defined
+      C sum_exp = 0;
+      for (int64_t j = 0; j < vocab; ++j) sum_exp += std::exp(z[j] - max_s);
+      lse = max_s + std::log(sum_exp);
+      if (call.lse.data) static_cast<C*>(call.lse.data)[t * core::row_stride(call.lse)] = lse;
+    }
+
+    // The few logits the loss and the sparse corrections read, saved before z is overwritten.
+    const int64_t label = call.has_labels() && is_counted ? label_of(call, t) : -1;
+    const C s_label = label >= 0 ? z[label] : C(0);
+    C teacher_cross = 0, teacher_mass = 0;
+    for (int64_t i = 0; i < k && is_counted; ++i) {
+      const C prob = teacher_prob<C>(call, t, i);
+      saved[i] = z[teacher_id(call, t, i)];
+      teacher_cross += core::xlogx(prob) - prob * saved[i];
+      teacher_mass += prob;
+    }
+    C loss = 0;
+    if (is_counted && call.wants_loss()) {
+      C sum_s = 0;
+      if (call.options.label_smoothing != 0 && call.options.ce_weight != 0)
+        for (int64_t j = 0; j < vocab; ++j) sum_s += z[j];
+      loss = weights_.loss(lse, s_label, sum_s, teacher_cross, teacher_mass);
+    }
+    if (!call.wants_grads()) return loss;
+    if (!is_counted) {
+      std::fill(z, z + vocab, C(0));
+      return loss;
+    }
+
+    const C upstream = C(read_scalar_or<C>(call.grad_loss, t, C(1)) * inv_divisor_);
+    const C p_coef = weights_.p_coef(upstream, lse, teacher_mass);
+    const C offset = weights_.offset(upstream);
+    if (scaled) {
+      // Sparse corrections first, at their saved s, then the dense part; each chained to z.
+      for (int64_t j = 0; j < vocab; ++j) {
+        const C s = z[j];
+        z[j] = (p_coef * std::exp(s - lse) + offset) * scale_.derivative(s);
+      }
+      if (label >= 0) z[label] += weights_.label_correction(upstream) * scale_.derivative(s_label);
+      for (int64_t i = 0; i < k; ++i)
+        z[teacher_id(call, t, i)] += weights_.teacher_correction(upstream, teacher_prob<C>(call, t, i)) * scale_.derivative(saved[i]);
+    } else {
+      for (int64_t j = 0; j < vocab; ++j) z[j] = p_coef * std::exp(z[j] - lse) + offset;
+      if (label >= 0) z[label] += weights_.label_correction(upstream);
+      for (int64_t i = 0; i < k; ++i) z[teacher_id(call, t, i)] += weights_.teacher_correction(upstream, teacher_prob<C>(call, t, i));
+    }
+    return loss;
+  }
+
+  // Rows of a compute-type buffer (rows, cols) into a caller's tensor of any float dtype.
+  void store_rows(const lmloss_tensor& out, int64_t row0, int64_t rows, const C* src) const {
+    const int64_t cols = out.shape[1];
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+      void* dst = core::row_ptr_mut(out, row0 + i);
+      for (int64_t j = 0; j < cols; ++j) core::store_float<C>(dst, out.dtype, j, src[i * cols + j]);
+    }
+  }
+
+  // acc[j] += sum_i dz[i, j], each column summed in row order (deterministic for any thread count).
+  void add_column_sums(int64_t rows, const C* dz, C* acc) const {
+    const int64_t vocab = call_.vocab;
+    const int64_t block = 256;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (int64_t c0 = 0; c0 < vocab; c0 += block) {
+      const int64_t c1 = std::min(vocab, c0 + block);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t c = c0; c < c1; ++c) acc[c] += dz[i * vocab + c];
+    }
+  }
+
+  // A compute-type accumulator (rows, cols) into the caller's gradient, added when accumulating.
+  void finish_accumulator(const lmloss_tensor& out, const C* acc, int64_t rows, int64_t cols, bool accumulate) const {
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+      // A matrix row, or the whole of a (possibly strided) vector.
+      void* dst = out.ndim == 2 ? core::row_ptr_mut(out, i) : out.data;
+      const int64_t step = out.ndim == 2 ? 1 : core::row_stride(out);
+      for (int64_t j = 0; j < cols; ++j) {
+        C value = acc[i * cols + j];
+        if (accumulate) value += core::load_float<C>(dst, out.dtype, j * step);
+        core::store_float<C>(dst, out.dtype, j * step, value);
+      }
+    }
+  }
+
+  lmloss_context& context_;
+  const LossCall& call_;
+  Plan plan_;
+  int threads_;
+  core::LogitScale<C> scale_;
+  core::LossWeights<C> weights_;
+  double inv_divisor_ = 1.0;
+};
+
+// ---- Top-k ---------------------------------------------------------------------------------
+
+// Orders candidates: larger value first, NaN above everything, ties to the lower id.
+template <typename C>
+struct TopkOrder {
+  const C* s;
+  bool operator()(int32_t a, int32_t b) const {
+    const bool nan_a = std::isnan(s[a]), nan_b = std::isnan(s[b]);
+    if (nan_a != nan_b) return nan_a;
+    if (!nan_a && s[a] != s[b]) return s[a] > s[b];
+    return a < b;
+  }
+};
+
+template <typename C>
+lmloss_status run_topk(lmloss_context& context, const TopkCall& call, const Plan& plan) {
+  const int64_t vocab = call.vocab, k = call.options.k;
+  const int threads = thread_count(context);
+  const auto scale = core::LogitScale<C>::make(call.options.softcap, call.options.temperature);
+  const bool scaled = call.options.softcap > 0 || call.options.temperature != 1.0;
+  LogitsChunks<C> chunks(context, call.head, call.linear, vocab, call.hidden, plan);
+  Workspace<C> z(context, size_t(plan.chunk_rows) * size_t(vocab));
+  Workspace<int32_t> order(context, size_t(threads) * size_t(vocab));
+  for (int64_t row0 = 0; row0 < call.n_tokens; row0 += plan.chunk_rows) {
+    const int64_t rows = std::min(plan.chunk_rows, call.n_tokens - row0);
+    chunks.produce(row0, rows, z.get(), threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t t = row0 + i;
+      C* s = z.get() + i * vocab;
+      if (scaled)
+        for (int64_t j = 0; j < vocab; ++j) s[j] = scale.apply(s[j]);
+      int32_t* ids = order.get() + size_t(omp_get_thread_num()) * size_t(vocab);
+      for (int64_t j = 0; j < vocab; ++j) ids[j] = int32_t(j);
+      const TopkOrder<C> before{s};
+      if (k < vocab) std::nth_element(ids, ids + k, ids + vocab, before);
+      std::sort(ids, ids + k, before);
+
+      // Probabilities: over the k (renormalised), or of the whole row with the tail beside them.
+      C* probs = static_cast<C*>(core::row_ptr_mut(call.probs, t));
+      int32_t* out_ids = static_cast<int32_t*>(core::row_ptr_mut(call.ids, t));
+      C max_s = s[ids[0]];
+      if (std::isinf(max_s)) max_s = 0;
+      C tail = 0;
+      C normalizer = 0;
+      if (call.options.renormalize) {
+        for (int64_t r = 0; r < k; ++r) normalizer += std::exp(s[ids[r]] - max_s);
+      } else {
+        for (int64_t j = 0; j < vocab; ++j) normalizer += std::exp(s[j] - max_s);
+        for (int64_t r = k; r < vocab; ++r) tail += std::exp(s[ids[r]] - max_s);
+        tail /= normalizer;
+      }
+      for (int64_t r = 0; r < k; ++r) {
+        out_ids[r] = ids[r];
+        probs[r] = std::exp(s[ids[r]] - max_s) / normalizer;
+      }
+      if (call.tail.data) static_cast<C*>(call.tail.data)[t * core::row_stride(call.tail)] = tail;
+    }
+  }
+  return core::succeed();
+}
+
+// ---- The backend ---------------------------------------------------------------------------
+
+class CpuBackend final : public core::Backend {
+ public:
+  bool available() const override { return true; }
+
+  lmloss_status check(lmloss_context& context, const LossCall& call) override {
+    // Ids are read here, on the host, so a bad one is reported before anything is written.
+    for (int64_t t = 0; t < call.n_tokens; ++t) {
+      if (!counted(call, t)) continue;
+      if (call.has_labels()) {
+        const int64_t y = label_of(call, t);
+        if (y < 0 || y >= call.vocab)
+          return core::fail(LMLOSS_ERROR_INVALID_ARGUMENT, "targets.labels: label " + std::to_string(y) + " of token " +
+                                                               std::to_string(t) + " is outside [0, " + std::to_string(call.vocab) +
+                                                               ") and is not ignore_index");
+      }
+      for (int64_t i = 0; i < call.top_k; ++i) {
+        const int64_t id = teacher_id(call, t, i);
+        if (id < 0 || id >= call.vocab)
+          return core::fail(LMLOSS_ERROR_INVALID_ARGUMENT, "targets.teacher_ids: id " + std::to_string(id) + " of token " +
+                                                               std::to_string(t) + " is outside [0, " + std::to_string(call.vocab) + ")");
+      }
+    }
+    const Plan plan = plan_loss(context, call);
+    if (plan.chunk_rows == 0) return budget_error(context, plan);
+    return LMLOSS_SUCCESS;
+  }
+
+  lmloss_status check(lmloss_context& context, const TopkCall& call) override {
+    const Plan plan = plan_topk(context, call);
+    if (plan.chunk_rows == 0) return budget_error(context, plan);
+    return LMLOSS_SUCCESS;
+  }
+
+  lmloss_status run(lmloss_context& context, const LossCall& call) override {
+    set_blas_threads(context);
+    const Plan plan = plan_loss(context, call);
+    if (call.compute_dtype == LMLOSS_F64) return LossRunner<double>(context, call, plan).run();
+    return LossRunner<float>(context, call, plan).run();
+  }
+
+  lmloss_status run(lmloss_context& context, const TopkCall& call) override {
+    set_blas_threads(context);
+    const Plan plan = plan_topk(context, call);
+    if (call.compute_dtype == LMLOSS_F64) return run_topk<double>(context, call, plan);
+    return run_topk<float>(context, call, plan);
+  }
+
+  lmloss_status synchronize(lmloss_context&) override { return core::succeed(); }
+
+ private:
+  static void set_blas_threads(const lmloss_context& context) {
+    if (context.num_threads > 0) openblas_set_num_threads(context.num_threads);
+  }
+
+  static Plan plan_loss(const lmloss_context& context, const LossCall& call) {
+    const int threads = thread_count(context);
+    const bool f64 = call.compute_dtype == LMLOSS_F64;
+    const size_t s = f64 ? 8 : 4;
+    const lmloss_grads& g = call.grads;
+    const lmloss_dtype c = call.compute_dtype;
+    size_t fixed = size_t(threads) * size_t(call.top_k + 1) * s;
+    size_t per_row = s;  // the row's loss
+    if (call.wants_grads()) {
+      if (g.grad_hidden.data && g.grad_hidden.dtype != c) per_row += size_t(call.hidden) * s;
+      if (g.grad_weight.data && g.grad_weight.dtype != c) fixed += size_t(call.vocab) * size_t(call.hidden) * s;
+      if (g.grad_bias.data) fixed += size_t(call.vocab) * s;
+    }
+    return f64 ? plan_head<double>(context, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row)
+               : plan_head<float>(context, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row);
+  }
+
+  static Plan plan_topk(const lmloss_context& context, const TopkCall& call) {
+    const size_t fixed = size_t(thread_count(context)) * size_t(call.vocab) * sizeof(int32_t);
+    return call.compute_dtype == LMLOSS_F64
+               ? plan_head<double>(context, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, 0)
+               : plan_head<float>(context, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, 0);
+  }
+};
+
+}  // namespace
+}  // namespace lmloss::cpu
+
+namespace lmloss::core {
+Backend& cpu_backend() {
+  static cpu::CpuBackend backend;
+  return backend;
+}
+}  // namespace lmloss::core
