@@ -260,6 +260,9 @@ C read_scalar_or(const lmloss_tensor& t, int64_t i, C fallback) {
   return static_cast<const C*>(t.data)[t.ndim == 0 ? 0 : i * core::row_stride(t)];
 }
 
+// Row sums run in double: a vocabulary of 10^5 terms summed in f32 drifts past the f32 tolerance.
+using Accumulator = double;
+
 template <typename C>
 class LossRunner {
  public:
@@ -350,6 +353,8 @@ class LossRunner {
     if (scaled)
       for (int64_t j = 0; j < vocab; ++j) z[j] = scale_.apply(z[j]);
 
+    // p_j = exp(s_j - lse) in every mode, with lse rounded to C as it is saved, so the fused
+    // gradient and the backward from a saved lse agree bitwise.
     C lse;
     if (call.mode == Mode::backward) {
       lse = static_cast<const C*>(call.lse.data)[t * core::row_stride(call.lse)];
@@ -357,28 +362,28 @@ class LossRunner {
       C max_s = -std::numeric_limits<C>::infinity();
       for (int64_t j = 0; j < vocab; ++j) max_s = z[j] > max_s ? z[j] : max_s;  // NaN passes to the sum
       if (std::isinf(max_s)) max_s = 0;  // all -inf (or +inf) rows: keep the arithmetic defined
-      C sum_exp = 0;
-      for (int64_t j = 0; j < vocab; ++j) sum_exp += std::exp(z[j] - max_s);
-      lse = max_s + std::log(sum_exp);
+      Accumulator sum_exp = 0;  // tens of thousands of terms: f32 sums drift past 1e-5
+      for (int64_t j = 0; j < vocab; ++j) sum_exp += Accumulator(std::exp(z[j] - max_s));
+      lse = C(Accumulator(max_s) + std::log(sum_exp));
       if (call.lse.data) static_cast<C*>(call.lse.data)[t * core::row_stride(call.lse)] = lse;
     }
 
     // The few logits the loss and the sparse corrections read, saved before z is overwritten.
     const int64_t label = call.has_labels() && is_counted ? label_of(call, t) : -1;
     const C s_label = label >= 0 ? z[label] : C(0);
-    C teacher_cross = 0, teacher_mass = 0;
+    Accumulator teacher_cross = 0, teacher_mass = 0;
     for (int64_t i = 0; i < k && is_counted; ++i) {
       const C prob = teacher_prob<C>(call, t, i);
       saved[i] = z[teacher_id(call, t, i)];
-      teacher_cross += core::xlogx(prob) - prob * saved[i];
-      teacher_mass += prob;
+      teacher_cross += Accumulator(core::xlogx(prob) - prob * saved[i]);
+      teacher_mass += Accumulator(prob);
     }
     C loss = 0;
     if (is_counted && call.wants_loss()) {
-      C sum_s = 0;
+      Accumulator sum_s = 0;
       if (call.options.label_smoothing != 0 && call.options.ce_weight != 0)
-        for (int64_t j = 0; j < vocab; ++j) sum_s += z[j];
-      loss = weights_.loss(lse, s_label, sum_s, teacher_cross, teacher_mass);
+        for (int64_t j = 0; j < vocab; ++j) sum_s += Accumulator(z[j]);
+      loss = weights_.loss(lse, s_label, C(sum_s), C(teacher_cross), C(teacher_mass));
     }
     if (!call.wants_grads()) return loss;
     if (!is_counted) {
@@ -387,10 +392,10 @@ class LossRunner {
     }
 
     const C upstream = C(read_scalar_or<C>(call.grad_loss, t, C(1)) * inv_divisor_);
-    const C p_coef = weights_.p_coef(upstream, lse, teacher_mass);
+    const C p_coef = weights_.p_coef(upstream, lse, C(teacher_mass));
     const C offset = weights_.offset(upstream);
     if (scaled) {
-      // Sparse corrections first, at their saved s, then the dense part; each chained to z.
+      // The dense part chained to z, then the sparse corrections at their saved s.
       for (int64_t j = 0; j < vocab; ++j) {
         const C s = z[j];
         z[j] = (p_coef * std::exp(s - lse) + offset) * scale_.derivative(s);
@@ -495,20 +500,22 @@ lmloss_status run_topk(lmloss_context& context, const TopkCall& call, const Plan
       int32_t* out_ids = static_cast<int32_t*>(core::row_ptr_mut(call.ids, t));
       C max_s = s[ids[0]];
       if (std::isinf(max_s)) max_s = 0;
-      C tail = 0;
-      C normalizer = 0;
+      Accumulator tail = 0;
+      Accumulator normalizer = 0;
       if (call.options.renormalize) {
-        for (int64_t r = 0; r < k; ++r) normalizer += std::exp(s[ids[r]] - max_s);
+        for (int64_t r = 0; r < k; ++r) normalizer += Accumulator(std::exp(s[ids[r]] - max_s));
       } else {
-        for (int64_t j = 0; j < vocab; ++j) normalizer += std::exp(s[j] - max_s);
-        for (int64_t r = k; r < vocab; ++r) tail += std::exp(s[ids[r]] - max_s);
+        // The tail is summed over the ids left out, not as 1 - sum: no cancellation.
+        for (int64_t r = 0; r < k; ++r) normalizer += Accumulator(std::exp(s[ids[r]] - max_s));
+        for (int64_t r = k; r < vocab; ++r) tail += Accumulator(std::exp(s[ids[r]] - max_s));
+        normalizer += tail;
         tail /= normalizer;
       }
       for (int64_t r = 0; r < k; ++r) {
         out_ids[r] = ids[r];
-        probs[r] = std::exp(s[ids[r]] - max_s) / normalizer;
+        probs[r] = C(Accumulator(std::exp(s[ids[r]] - max_s)) / normalizer);
       }
-      if (call.tail.data) static_cast<C*>(call.tail.data)[t * core::row_stride(call.tail)] = tail;
+      if (call.tail.data) static_cast<C*>(call.tail.data)[t * core::row_stride(call.tail)] = C(tail);
     }
   }
   return core::succeed();

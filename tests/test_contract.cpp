@@ -1,0 +1,220 @@
+// The rules of docs/contract.md section 6 that every backend keeps, one test each, named after
+// the rule.
+#include <cmath>
+#include <string>
+
+#include "harness.hpp"
+#include "lmloss/lmloss.hpp"
+
+namespace lmloss::test {
+namespace {
+
+class Contract : public ::testing::TestWithParam<Device> {
+ protected:
+  void SetUp() override { LMLOSS_REQUIRE_DEVICE(GetParam()); }
+  Device device() const { return GetParam(); }
+  LossSetup setup(lmloss_dtype dtype = LMLOSS_F32) const {
+    LossSetup s;
+    s.device = device();
+    s.dtype = dtype;
+    s.grad_dtype = dtype;
+    return s;
+  }
+  lmloss::Context ctx;
+};
+
+lmloss_loss_options training_options() {
+  lmloss_loss_options o = lmloss_loss_options_default();
+  o.label_smoothing = 0.1;
+  o.z_loss = 1e-4;
+  o.softcap = 30;
+  return o;
+}
+
+std::vector<double> all_values(const LossCase& c) {
+  std::vector<double> r;
+  for (const Buffer* b : c.outputs()) {
+    const std::vector<double> v = b->values();
+    r.insert(r.end(), v.begin(), v.end());
+  }
+  return r;
+}
+
+// Rule 1: the logits exist a chunk at a time, within the caller's budget.
+TEST_P(Contract, NeverFullLogits) {
+  Generator gen(501);
+  const int64_t n = 256, V = 4099;
+  const size_t full_logits = size_t(n) * size_t(V) * 4;
+  const size_t budget = full_logits / 4;
+  for (const bool linear : {true, false}) {
+    for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+      SCOPED_TRACE(cat(linear ? "linear " : "logits ", dtype_name(dtype)));
+      ProblemSpec spec{.n_tokens = n, .vocab = V, .hidden = linear ? 32 : 0, .bias = linear};
+      LossCase c(gen.problem(spec), training_options(), setup(dtype));
+      ctx.set_workspace_budget(budget);
+      ctx.reset_peak_workspace();
+      ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      const size_t peak = ctx.peak_workspace();
+      EXPECT_GT(peak, 0u) << "workspace is not reported";
+      EXPECT_LE(peak, budget);
+      EXPECT_LT(peak, full_logits);
+      expect_matches_reference(c, Mode::forward_backward);
+    }
+  }
+}
+
+// Rule 2: forward saves lse; a backward from it gives what the fused call gives.
+TEST_P(Contract, SavesLse) {
+  Generator gen(502);
+  lmloss_loss_options o = training_options();
+  o.kd_weight = 0.5;
+  for (const int64_t hidden : {0, 16}) {
+    SCOPED_TRACE(hidden ? "linear" : "logits");
+    LossCase c(gen.problem({.n_tokens = 20, .vocab = 613, .hidden = hidden, .bias = hidden > 0,
+                            .top_k = 4}),
+               o, setup());
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    const std::vector<double> fused_lse = c.lse.values();
+    std::vector<std::vector<double>> fused_grads;
+    for (const Buffer* g : {&c.grad_logits, &c.grad_hidden, &c.grad_weight, &c.grad_bias}) {
+      fused_grads.push_back(g->values());
+    }
+    ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_TRUE(bitwise_equal(c.lse.values(), fused_lse)) << "forward and fused lse differ";
+    ASSERT_EQ(c.backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    size_t i = 0;
+    for (const Buffer* g : {&c.grad_logits, &c.grad_hidden, &c.grad_weight, &c.grad_bias}) {
+      EXPECT_TRUE(bitwise_equal(g->values(), fused_grads[i])) << "gradient " << i;
+      ++i;
+    }
+    expect_matches_reference(c, Mode::backward);
+  }
+}
+
+// Rule 3: the gradient of a logits input may be written over it.
+TEST_P(Contract, InPlaceGradient) {
+  Generator gen(503);
+  const reference::Problem p = gen.problem({.n_tokens = 12, .vocab = 1031, .top_k = 3});
+  lmloss_loss_options o = training_options();
+  o.kd_weight = 0.5;
+  for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    LossCase apart(p, o, setup(dtype));
+    ASSERT_EQ(apart.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    LossSetup s = setup(dtype);
+    s.in_place = true;
+    LossCase over(p, o, s);
+    ASSERT_EQ(over.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_TRUE(bitwise_equal(over.logits.values(), apart.grad_logits.values()));
+    EXPECT_TRUE(bitwise_equal(over.loss.values(), apart.loss.values()));
+    expect_matches_reference(over, Mode::forward_backward);
+  }
+}
+
+// Rule 5: a bad argument, found anywhere in the inputs, leaves every output unwritten.
+TEST_P(Contract, ValidateBeforeWriting) {
+  Generator gen(504);
+  reference::Problem p = gen.problem({.n_tokens = 64, .vocab = 301, .ignore_fraction = 0});
+  p.labels.back() = p.vocab;  // the very last label: found only after the others are read
+  lmloss_loss_options o = lmloss_loss_options_default();
+  LossCase c(p, o, setup());
+  // Chunks of a few rows, so a backend that writes chunk by chunk would have written some.
+  ctx.set_workspace_budget(8 * 301 * 8 + 4096);
+  const lmloss_status status = c.forward_backward(ctx.get());
+  if (device() == Device::cuda && status == LMLOSS_ERROR_ID_OUT_OF_RANGE) {
+    // Found on the device: reported by the next synchronize, and the context stays usable.
+    EXPECT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS);
+    return;
+  }
+  EXPECT_EQ(status, LMLOSS_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(lmloss_last_error()).rfind("targets.labels", 0), 0u) << lmloss_last_error();
+  for (const Buffer* b : c.outputs()) EXPECT_TRUE(untouched(*b));
+}
+
+// Rule 6: N * V past 2^31 elements. Forward only, checked on a few tokens spread over the
+// problem (the first, the last, around the 2^31-th logit) against the reference for just those.
+TEST_P(Contract, SixtyFourBitIndexing) {
+  const int64_t n = 32768, V = 65601, H = 4;
+  static_assert(int64_t{32768} * 65601 > (int64_t{1} << 31));
+  Generator gen(505);
+  reference::Problem p = gen.problem({.n_tokens = n, .vocab = V, .hidden = H, .bias = true,
+                                      .ignore_fraction = 0});
+  const std::vector<int64_t> checked = {0, 1, 16383, 32736, 32737, n - 2, n - 1};
+  for (const int64_t t : checked) p.labels[t] = V - 1 - t % 3;  // ids at the end of the rows
+  lmloss_loss_options o = lmloss_loss_options_default();
+  o.reduction = LMLOSS_REDUCTION_NONE;
+  LossSetup s = setup();
+  s.want_grad_hidden = s.want_grad_weight = s.want_grad_bias = false;
+  LossCase c(p, o, s);
+  ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_TRUE(fully_written(c.loss));
+  EXPECT_TRUE(fully_written(c.lse));
+
+  reference::Problem few;
+  const reference::Problem& r = c.problem();  // as rounded for the library
+  few.n_tokens = static_cast<int64_t>(checked.size());
+  few.vocab = V;
+  few.hidden = H;
+  few.weight = r.weight;
+  few.bias = r.bias;
+  std::vector<double> loss, lse;
+  for (const int64_t t : checked) {
+    few.hidden_states.insert(few.hidden_states.end(), r.hidden_states.begin() + t * H,
+                             r.hidden_states.begin() + (t + 1) * H);
+    few.labels.push_back(r.labels[t]);
+    loss.push_back(c.loss.get(t));
+    lse.push_back(c.lse.get(t));
+  }
+  const reference::LossResult ref = reference::loss(few, o);
+  EXPECT_TRUE(close_to(loss, ref.loss, tolerance(LMLOSS_F32)));
+  EXPECT_TRUE(close_to(lse, ref.lse, tolerance(LMLOSS_F32)));
+}
+
+// Rule 7: the same inputs give bitwise the same outputs.
+TEST_P(Contract, Deterministic) {
+  Generator gen(506);
+  lmloss_loss_options o = training_options();
+  o.kd_weight = 0.7;
+  for (const int64_t hidden : {0, 24}) {
+    SCOPED_TRACE(hidden ? "linear" : "logits");
+    LossCase c(gen.problem({.n_tokens = 96, .vocab = 2053, .hidden = hidden, .bias = hidden > 0,
+                            .top_k = 5}),
+               o, setup(LMLOSS_BF16));
+    ctx.set_workspace_budget(size_t(24) * 2053 * 8);  // several chunks
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    const std::vector<double> first = all_values(c);
+    for (int repeat = 0; repeat < 3; ++repeat) {
+      ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      EXPECT_TRUE(bitwise_equal(all_values(c), first)) << "run " << repeat + 2;
+    }
+  }
+}
+
+// Rule 8: the backend agrees with the float64 reference, and the comparison can fail: an
+// output wrong by a few tolerances is caught.
+TEST_P(Contract, ChecksAgainstReference) {
+  Generator gen(507);
+  lmloss_loss_options o = training_options();
+  o.kd_weight = 0.4;
+  LossCase c(gen.problem({.n_tokens = 16, .vocab = 769, .hidden = 16, .bias = true, .top_k = 4}),
+             o, setup());
+  ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  expect_matches_reference(c, Mode::forward_backward);
+
+  const reference::LossResult ref = c.reference();
+  const double tol = tolerance(LMLOSS_F32);
+  std::vector<double> out = c.grad_weight.values();
+  ASSERT_TRUE(close_to(out, ref.grad_weight, tol));
+  double norm = 0;
+  for (double x : ref.grad_weight) norm += x * x;
+  out[out.size() / 2] += 5 * tol * std::sqrt(norm);  // one element off by 5 tolerances
+  EXPECT_FALSE(close_to(out, ref.grad_weight, tol));
+  std::vector<double> loss = c.loss.values();
+  loss[0] *= 1 + 5 * tol;
+  EXPECT_FALSE(close_to(loss, ref.loss, tol));
+}
+
+INSTANTIATE_TEST_SUITE_P(, Contract, all_devices, ParamName{});
+
+}  // namespace
+}  // namespace lmloss::test

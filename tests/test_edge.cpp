@@ -1,0 +1,316 @@
+// Edge cases against the reference: one token, vocabularies of 50257 and 128256, k = 1 and
+// k = V, nothing counted, huge and NaN logits, strided rows, and chunking forced by a small budget.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "harness.hpp"
+#include "lmloss/lmloss.hpp"
+
+namespace lmloss::test {
+namespace {
+
+class Edge : public ::testing::TestWithParam<Device> {
+ protected:
+  void SetUp() override { LMLOSS_REQUIRE_DEVICE(GetParam()); }
+  LossSetup setup(lmloss_dtype dtype = LMLOSS_F32) const {
+    LossSetup s;
+    s.device = GetParam();
+    s.dtype = dtype;
+    s.grad_dtype = dtype;
+    return s;
+  }
+  TopkSetup topk_setup(lmloss_dtype dtype = LMLOSS_F32) const {
+    TopkSetup s;
+    s.device = GetParam();
+    s.dtype = dtype;
+    return s;
+  }
+  void check_every_mode(const reference::Problem& p, const lmloss_loss_options& o,
+                        const LossSetup& s) {
+    LossCase c(p, o, s);
+    for (Mode mode : {Mode::forward, Mode::backward, Mode::forward_backward}) {
+      SCOPED_TRACE(mode == Mode::forward ? "forward" : mode == Mode::backward ? "backward" : "fused");
+      ASSERT_EQ(c.run(ctx.get(), mode), LMLOSS_SUCCESS) << lmloss_last_error();
+      expect_matches_reference(c, mode);
+    }
+  }
+  lmloss::Context ctx;
+};
+
+lmloss_loss_options some_options() {
+  lmloss_loss_options o = lmloss_loss_options_default();
+  o.label_smoothing = 0.1;
+  o.z_loss = 1e-3;
+  o.softcap = 10;
+  return o;
+}
+
+TEST_P(Edge, OneToken) {
+  Generator gen(301);
+  for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    ProblemSpec spec{.n_tokens = 1, .vocab = 1031};
+    check_every_mode(gen.problem(spec), some_options(), setup(dtype));
+    spec.hidden = 16;
+    spec.bias = true;
+    check_every_mode(gen.problem(spec), some_options(), setup(dtype));
+  }
+}
+
+TEST_P(Edge, OddVocabulary50257) {
+  Generator gen(302);
+  for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    check_every_mode(gen.problem({.n_tokens = 8, .vocab = 50257}), some_options(), setup(dtype));
+    check_every_mode(gen.problem({.n_tokens = 4, .vocab = 50257, .hidden = 8, .bias = true}),
+                     some_options(), setup(dtype));
+  }
+  lmloss_topk_options o = lmloss_topk_options_default();
+  o.k = 20;
+  o.renormalize = 0;
+  TopkCase c(gen.problem({.n_tokens = 3, .vocab = 50257, .tie_rank = 20}), o, topk_setup());
+  ASSERT_EQ(c.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  expect_topk_matches_reference(c, tolerance(LMLOSS_F32));
+}
+
+TEST_P(Edge, LargeVocabulary128256) {
+  // A current tokenizer's vocabulary: long rows are where f32 sums lose accuracy.
+  Generator gen(310);
+  lmloss_loss_options o = lmloss_loss_options_default();
+  check_every_mode(gen.problem({.n_tokens = 6, .vocab = 128256}), o, setup());
+  lmloss_topk_options t = lmloss_topk_options_default();
+  t.k = 8;
+  t.renormalize = 0;
+  TopkCase c(gen.problem({.n_tokens = 4, .vocab = 128256}), t, topk_setup());
+  ASSERT_EQ(c.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  expect_topk_matches_reference(c, tolerance(LMLOSS_F32));
+}
+
+TEST_P(Edge, TopkOfOneAndOfTheWholeVocabulary) {
+  Generator gen(303);
+  const int64_t V = 97;
+  const reference::Problem p = gen.problem({.n_tokens = 6, .vocab = V, .tie_rank = 1});
+  for (const int64_t k : {int64_t{1}, V}) {
+    for (const int renormalize : {1, 0}) {
+      SCOPED_TRACE(cat("k ", k, ", renormalize ", renormalize));
+      lmloss_topk_options o = lmloss_topk_options_default();
+      o.k = k;
+      o.renormalize = renormalize;
+      TopkCase c(p, o, topk_setup());
+      ASSERT_EQ(c.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      expect_topk_matches_reference(c, 0.0);  // unscaled f32 logits: exact ids
+    }
+  }
+}
+
+TEST_P(Edge, NothingCountedGivesExactZeros) {
+  Generator gen(304);
+  reference::Problem p = gen.problem({.n_tokens = 5, .vocab = 211, .hidden = 8, .bias = true});
+  for (int64_t& y : p.labels) y = -100;
+  for (const lmloss_reduction reduction :
+       {LMLOSS_REDUCTION_MEAN, LMLOSS_REDUCTION_SUM, LMLOSS_REDUCTION_NONE}) {
+    for (const double normalizer : {0.0, 7.0}) {
+      SCOPED_TRACE(cat("reduction ", reduction, ", normalizer ", normalizer));
+      lmloss_loss_options o = some_options();
+      o.reduction = reduction;
+      o.normalizer = normalizer;
+      LossCase c(p, o, setup());
+      ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      for (double l : c.loss.values()) EXPECT_EQ(l, 0.0);  // not NaN from 0 / 0
+      for (const Buffer* g : {&c.grad_hidden, &c.grad_weight, &c.grad_bias}) {
+        EXPECT_TRUE(fully_written(*g));
+        for (double x : g->values()) ASSERT_EQ(x, 0.0);
+      }
+    }
+  }
+  // Distillation with every token masked out.
+  reference::Problem d = gen.problem({.n_tokens = 4, .vocab = 211, .labels = false, .top_k = 3,
+                                      .mask = true});
+  for (uint8_t& m : d.token_mask) m = 0;
+  lmloss_loss_options o = lmloss_loss_options_default();
+  o.ce_weight = 0;
+  o.kd_weight = 1;
+  LossSetup s = setup();
+  LossCase c(d, o, s);
+  ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_EQ(c.loss.get(0), 0.0);
+  for (double x : c.grad_logits.values()) ASSERT_EQ(x, 0.0);
+}
+
+TEST_P(Edge, HugeLogitsStayFinite) {
+  Generator gen(305);
+  for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16, LMLOSS_F16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    reference::Problem p = gen.problem({.n_tokens = 6, .vocab = 333});
+    for (size_t i = 0; i < p.logits.size(); ++i) p.logits[i] = i % 3 == 0 ? 1e4 : -1e4;
+    p.logits[5] = 1e4 - 3;  // a second value at the top, so the softmax is not one-hot
+    lmloss_loss_options o = lmloss_loss_options_default();
+    o.z_loss = 1e-4;
+    LossCase c(p, o, setup(dtype));
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_TRUE(std::isfinite(c.loss.get(0)));
+    for (double x : c.grad_logits.values()) ASSERT_TRUE(std::isfinite(x));
+    expect_matches_reference(c, Mode::forward_backward,
+                             tolerance_at_magnitude(dtype, dtype, 1e4));
+  }
+}
+
+TEST_P(Edge, NanLogitsGiveNanLoss) {
+  Generator gen(306);
+  reference::Problem p = gen.problem({.n_tokens = 4, .vocab = 129, .ignore_fraction = 0});
+  p.logits[2 * 129 + 17] = NAN;
+  for (const lmloss_reduction reduction : {LMLOSS_REDUCTION_MEAN, LMLOSS_REDUCTION_NONE}) {
+    lmloss_loss_options o = lmloss_loss_options_default();
+    o.reduction = reduction;
+    LossCase c(p, o, setup());
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    if (reduction == LMLOSS_REDUCTION_MEAN) {
+      EXPECT_TRUE(std::isnan(c.loss.get(0)));
+    } else {
+      EXPECT_TRUE(std::isnan(c.loss.get(2)));
+      EXPECT_TRUE(std::isfinite(c.loss.get(0)));  // the other tokens are unaffected
+      EXPECT_TRUE(std::isfinite(c.loss.get(3)));
+    }
+  }
+}
+
+TEST_P(Edge, StridedRows) {
+  // Rows of every 2-D input and output sit 5 elements apart from the next row's end; the gaps
+  // hold NaN in the inputs (so reading them shows) and must stay untouched in the outputs.
+  Generator gen(307);
+  for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    LossSetup s = setup(dtype);
+    s.row_padding = 5;
+    check_every_mode(gen.problem({.n_tokens = 7, .vocab = 301}), some_options(), s);
+    check_every_mode(gen.problem({.n_tokens = 7, .vocab = 301, .hidden = 12, .bias = true}),
+                     some_options(), s);
+    s.in_place = true;
+    check_every_mode(gen.problem({.n_tokens = 7, .vocab = 301}), some_options(), s);
+    s.in_place = false;
+    s.row_padding = 3;
+    ProblemSpec distill{.n_tokens = 7, .vocab = 301, .hidden = 12, .top_k = 4};
+    lmloss_loss_options o = some_options();
+    o.kd_weight = 0.5;
+    check_every_mode(gen.problem(distill), o, s);
+
+    TopkSetup ts = topk_setup(dtype);
+    ts.row_padding = 5;
+    lmloss_topk_options to = lmloss_topk_options_default();
+    to.k = 6;
+    to.renormalize = 0;
+    for (const int64_t hidden : {0, 12}) {
+      TopkCase c(gen.problem({.n_tokens = 7, .vocab = 301, .hidden = hidden}), to, ts);
+      ASSERT_EQ(c.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      expect_topk_matches_reference(c, tolerance(dtype, LMLOSS_F32));
+    }
+  }
+}
+
+// Runs `c` fused under the default budget, then under one small enough to force several chunks.
+// Returns the two runs' results (loss, lse, then every gradient), and checks the small run
+// really chunked and stayed within its budget.
+struct ChunkedRuns {
+  std::vector<double> one_chunk, many_chunks;
+};
+
+ChunkedRuns run_chunked(LossCase& c) {
+  auto results = [&] {
+    std::vector<double> r;
+    for (const Buffer* b : c.outputs()) {
+      const std::vector<double> v = b->values();
+      r.insert(r.end(), v.begin(), v.end());
+    }
+    return r;
+  };
+  ChunkedRuns runs;
+  lmloss::Context big;
+  EXPECT_EQ(c.forward_backward(big.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  runs.one_chunk = results();
+  const size_t peak_one = big.peak_workspace();
+  EXPECT_GT(peak_one, 0u);
+  // About an eighth of the rows per chunk; more if the fixed part needs it.
+  size_t budget = std::max<size_t>(peak_one / 8, 64);
+  for (int attempt = 0; attempt < 8; ++attempt, budget *= 2) {
+    lmloss::Context small;
+    small.set_workspace_budget(budget);
+    const lmloss_status status = c.forward_backward(small.get());
+    if (status == LMLOSS_ERROR_INVALID_ARGUMENT) continue;  // not even one row fits yet
+    EXPECT_EQ(status, LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_LE(small.peak_workspace(), budget);
+    EXPECT_LT(small.peak_workspace(), peak_one / 2) << "the small budget did not split the rows";
+    runs.many_chunks = results();
+    return runs;
+  }
+  ADD_FAILURE() << "no budget below the one-chunk peak of " << peak_one << " bytes worked";
+  return runs;
+}
+
+TEST_P(Edge, ChunkingChangesNothingForLogits) {
+  Generator gen(308);
+  lmloss_loss_options o = some_options();
+  o.reduction = LMLOSS_REDUCTION_MEAN;
+  o.kd_weight = 0.3;
+  for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    LossCase c(gen.problem({.n_tokens = 64, .vocab = 1031, .top_k = 4}), o, setup(dtype));
+    const ChunkedRuns runs = run_chunked(c);
+    // Each row's arithmetic is the same whatever chunk it falls in: bitwise equal.
+    EXPECT_TRUE(bitwise_equal(runs.one_chunk, runs.many_chunks));
+  }
+}
+
+TEST_P(Edge, ChunkingStaysWithinToleranceForLinear) {
+  Generator gen(309);
+  for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    LossSetup s = setup(dtype);
+    s.grad_dtype = LMLOSS_F32;
+    LossCase c(gen.problem({.n_tokens = 64, .vocab = 1031, .hidden = 32, .bias = true}),
+               some_options(), s);
+    const ChunkedRuns runs = run_chunked(c);
+    // dW and db are sums over chunks: the order of the f32 additions changes, nothing else.
+    EXPECT_TRUE(close_to(runs.many_chunks, runs.one_chunk, tolerance(LMLOSS_F32)));
+    expect_matches_reference(c, Mode::forward_backward);
+  }
+}
+
+TEST_P(Edge, ChunkingChangesNothingForTopk) {
+  Generator gen(311);
+  lmloss_topk_options o = lmloss_topk_options_default();
+  o.k = 7;
+  o.renormalize = 0;
+  o.softcap = 20;
+  for (const int64_t hidden : {0, 16}) {
+    SCOPED_TRACE(hidden ? "linear" : "logits");
+    TopkCase c(gen.problem({.n_tokens = 64, .vocab = 1031, .hidden = hidden, .tie_rank = 7}), o,
+               topk_setup());
+    lmloss::Context big;
+    ASSERT_EQ(c.run(big.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    const std::vector<int64_t> ids = c.ids.ids();
+    const std::vector<double> probs = c.probs.values(), tail = c.tail.values();
+    lmloss::Context small;
+    small.set_workspace_budget(std::max<size_t>(big.peak_workspace() / 8, 1));
+    lmloss_status status = LMLOSS_ERROR_INVALID_ARGUMENT;
+    for (int attempt = 0; attempt < 8 && status == LMLOSS_ERROR_INVALID_ARGUMENT; ++attempt) {
+      status = c.run(small.get());
+      if (status == LMLOSS_ERROR_INVALID_ARGUMENT) {
+        small.set_workspace_budget(small.workspace_budget() * 2);
+      }
+    }
+    ASSERT_EQ(status, LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_LT(small.peak_workspace(), big.peak_workspace() / 2) << "the rows were not split";
+    if (hidden == 0) {  // a product per chunk may round differently: linear ids are checked below
+      EXPECT_EQ(c.ids.ids(), ids);
+      EXPECT_TRUE(bitwise_equal(c.probs.values(), probs));
+      EXPECT_TRUE(bitwise_equal(c.tail.values(), tail));
+    }
+    expect_topk_matches_reference(c, tolerance(LMLOSS_F32));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(, Edge, all_devices, ParamName{});
+
+}  // namespace
+}  // namespace lmloss::test

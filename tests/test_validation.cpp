@@ -1,0 +1,427 @@
+// Bad input, one test per validation rule: the status, a message that starts with the
+// argument's name as the header spells it, and every output byte still as it was poisoned.
+#include <functional>
+#include <string>
+
+#include "harness.hpp"
+#include "lmloss/lmloss.hpp"
+
+namespace lmloss::test {
+namespace {
+
+// Every argument of a loss call, as descriptors a test can break one at a time.
+struct LossArgs {
+  lmloss_head head;
+  lmloss_targets targets;
+  lmloss_loss_options options;
+  lmloss_tensor loss, lse, grad_loss;
+  lmloss_grads grads;
+};
+
+LossArgs args_of(const LossCase& c) {
+  return {c.head(), c.targets(), c.options, c.loss_tensor(), c.lse_tensor(),
+          c.grad_loss_tensor(), c.grads()};
+}
+
+lmloss_status call(lmloss_context* ctx, Mode mode, const LossArgs& a) {
+  switch (mode) {
+    case Mode::forward:
+      return lmloss_loss_forward(ctx, &a.head, &a.targets, &a.options, &a.loss, &a.lse);
+    case Mode::backward:
+      return lmloss_loss_backward(ctx, &a.head, &a.targets, &a.options, &a.lse, &a.grad_loss,
+                                  &a.grads);
+    case Mode::forward_backward:
+      return lmloss_loss_forward_backward(ctx, &a.head, &a.targets, &a.options, &a.grad_loss,
+                                          &a.loss, &a.lse, &a.grads);
+  }
+  return LMLOSS_ERROR_INTERNAL;
+}
+
+class Validation : public ::testing::TestWithParam<Device> {
+ protected:
+  void SetUp() override { LMLOSS_REQUIRE_DEVICE(GetParam()); }
+  Device device() const { return GetParam(); }
+
+  // CE mixed with distillation from logits: labels, teacher, mask, lse and grad_logits present.
+  LossCase logits_case(lmloss_loss_options o = lmloss_loss_options_default()) {
+    Generator gen(401);
+    o.kd_weight = 0.5;
+    LossSetup s;
+    s.device = device();
+    return LossCase(gen.problem({.n_tokens = 6, .vocab = 37, .top_k = 3, .mask = true}), o, s);
+  }
+  LossCase linear_case(lmloss_loss_options o = lmloss_loss_options_default()) {
+    Generator gen(402);
+    LossSetup s;
+    s.device = device();
+    return LossCase(gen.problem({.n_tokens = 6, .vocab = 37, .hidden = 8, .bias = true}), o, s);
+  }
+  TopkCase topk_case(int64_t k = 3) {
+    Generator gen(403);
+    lmloss_topk_options o = lmloss_topk_options_default();
+    o.k = k;
+    o.renormalize = 0;
+    TopkSetup s;
+    s.device = device();
+    return TopkCase(gen.problem({.n_tokens = 6, .vocab = 37, .labels = false}), o, s);
+  }
+
+  // The call fails with `status`, names `argument` first, and leaves every output as poisoned.
+  template <typename Case>
+  void expect_rejected(Case& c, lmloss_status status, const std::string& argument,
+                       const std::function<lmloss_status()>& run) {
+    const lmloss_status got = c.invoke(ctx.get(), run);
+    const std::string message = lmloss_last_error();
+    EXPECT_EQ(got, status) << "message: " << message;
+    EXPECT_EQ(message.rfind(argument, 0), 0u)
+        << "the message should start with \"" << argument << "\": " << message;
+    for (const Buffer* b : c.outputs()) EXPECT_TRUE(untouched(*b));
+  }
+  void expect_loss_rejected(LossCase& c, const LossArgs& a, const std::string& argument,
+                            Mode mode = Mode::forward_backward) {
+    expect_rejected(c, LMLOSS_ERROR_INVALID_ARGUMENT, argument,
+                    [&] { return call(ctx.get(), mode, a); });
+  }
+  void expect_topk_rejected(TopkCase& c, const lmloss_topk_options& o, const std::string& argument,
+                            std::function<void(lmloss_tensor&, lmloss_tensor&, lmloss_tensor&,
+                                               lmloss_head&)> edit = {}) {
+    expect_rejected(c, LMLOSS_ERROR_INVALID_ARGUMENT, argument, [&] {
+      lmloss_head h = c.head();
+      lmloss_tensor ids = c.ids.tensor(), probs = c.probs.tensor(), tail = c.tail.tensor();
+      if (edit) edit(ids, probs, tail, h);
+      return lmloss_topk(ctx.get(), &h, &o, &ids, &probs, &tail);
+    });
+  }
+  // A bad id: caught before writing on the CPU; on a GPU it may instead be found on the device
+  // and reported by the synchronize that follows the call (outputs then hold NaN losses).
+  void expect_bad_id(LossCase& c, const std::string& argument) {
+    const LossArgs a = args_of(c);
+    if (device() == Device::cpu) {
+      expect_loss_rejected(c, a, argument);
+      return;
+    }
+    const lmloss_status got = c.invoke(ctx.get(), [&] { return call(ctx.get(), Mode::forward_backward, a); });
+    EXPECT_TRUE(got == LMLOSS_ERROR_INVALID_ARGUMENT || got == LMLOSS_ERROR_ID_OUT_OF_RANGE)
+        << lmloss_status_string(got) << ": " << lmloss_last_error();
+    EXPECT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << "the flag is cleared";
+  }
+
+  lmloss::Context ctx;
+};
+
+TEST_P(Validation, NullContext) {
+  LossCase c = logits_case();
+  const LossArgs a = args_of(c);
+  for (Mode mode : {Mode::forward, Mode::backward, Mode::forward_backward}) {
+    expect_rejected(c, LMLOSS_ERROR_INVALID_ARGUMENT, "context",
+                    [&] { return call(nullptr, mode, a); });
+  }
+  TopkCase t = topk_case();
+  expect_rejected(t, LMLOSS_ERROR_INVALID_ARGUMENT, "context", [&] {
+    const lmloss_head h = t.head();
+    const lmloss_tensor ids = t.ids.tensor(), probs = t.probs.tensor(), tail = t.tail.tensor();
+    return lmloss_topk(nullptr, &h, &t.options, &ids, &probs, &tail);
+  });
+}
+
+TEST_P(Validation, ShapeMismatchNamesTheArgument) {
+  struct Rule {
+    const char* argument;
+    bool linear;
+    std::function<void(LossArgs&)> edit;
+  };
+  const Rule rules[] = {
+      {"targets.labels", false, [](LossArgs& a) { a.targets.labels.shape[0] += 1; }},
+      {"targets.teacher_probs", false, [](LossArgs& a) { a.targets.teacher_probs.shape[1] -= 1; }},
+      {"targets.teacher_ids", false, [](LossArgs& a) { a.targets.teacher_ids.shape[0] -= 1; }},
+      {"targets.token_mask", false, [](LossArgs& a) { a.targets.token_mask.shape[0] -= 1; }},
+      {"grads.grad_logits", false, [](LossArgs& a) { a.grads.grad_logits.shape[1] -= 1; }},
+      {"lse", false, [](LossArgs& a) { a.lse.shape[0] -= 1; }},
+      {"head.weight", true, [](LossArgs& a) { a.head.weight.shape[1] -= 1; }},
+      {"head.bias", true, [](LossArgs& a) { a.head.bias.shape[0] += 1; }},
+      {"grads.grad_hidden", true, [](LossArgs& a) { a.grads.grad_hidden.shape[0] -= 1; }},
+      {"grads.grad_weight", true, [](LossArgs& a) { a.grads.grad_weight.shape[1] -= 1; }},
+      {"grads.grad_bias", true, [](LossArgs& a) { a.grads.grad_bias.shape[0] -= 1; }},
+  };
+  for (const Rule& rule : rules) {
+    SCOPED_TRACE(rule.argument);
+    LossCase c = rule.linear ? linear_case() : logits_case();
+    LossArgs a = args_of(c);
+    rule.edit(a);
+    expect_loss_rejected(c, a, rule.argument);
+  }
+}
+
+TEST_P(Validation, WrongDtype) {
+  struct Rule {
+    const char* argument;
+    bool linear;
+    std::function<void(LossArgs&)> edit;
+  };
+  const Rule rules[] = {
+      {"targets.labels", false, [](LossArgs& a) { a.targets.labels.dtype = LMLOSS_F32; }},
+      {"head.logits", false, [](LossArgs& a) { a.head.logits.dtype = LMLOSS_I32; }},
+      {"targets.teacher_probs", false, [](LossArgs& a) { a.targets.teacher_probs.dtype = LMLOSS_BF16; }},
+      {"targets.teacher_ids", false, [](LossArgs& a) { a.targets.teacher_ids.dtype = LMLOSS_F32; }},
+      {"targets.token_mask", false, [](LossArgs& a) { a.targets.token_mask.dtype = LMLOSS_F32; }},
+      {"grads.grad_logits", false, [](LossArgs& a) { a.grads.grad_logits.dtype = LMLOSS_F16; }},
+      {"loss", false, [](LossArgs& a) { a.loss.dtype = LMLOSS_BF16; }},
+      {"lse", false, [](LossArgs& a) { a.lse.dtype = LMLOSS_I32; }},
+      {"head.weight", true, [](LossArgs& a) { a.head.weight.dtype = LMLOSS_BF16; }},
+      {"grads.grad_hidden", true, [](LossArgs& a) { a.grads.grad_hidden.dtype = LMLOSS_F16; }},
+  };
+  for (const Rule& rule : rules) {
+    SCOPED_TRACE(rule.argument);
+    LossCase c = rule.linear ? linear_case() : logits_case();
+    LossArgs a = args_of(c);
+    rule.edit(a);
+    expect_loss_rejected(c, a, rule.argument);
+  }
+}
+
+TEST_P(Validation, StrideBelowRowLength) {
+  {
+    LossCase c = logits_case();
+    LossArgs a = args_of(c);
+    a.head.logits.stride = a.head.logits.shape[1] - 1;
+    expect_loss_rejected(c, a, "head.logits");
+  }
+  {
+    LossCase c = logits_case();
+    LossArgs a = args_of(c);
+    a.grads.grad_logits.stride = 3;
+    expect_loss_rejected(c, a, "grads.grad_logits");
+  }
+  {
+    LossCase c = linear_case();
+    LossArgs a = args_of(c);
+    a.head.hidden.stride = a.head.hidden.shape[1] - 1;
+    expect_loss_rejected(c, a, "head.hidden");
+  }
+  TopkCase t = topk_case();
+  expect_topk_rejected(t, t.options, "head.logits",
+                       [](lmloss_tensor&, lmloss_tensor&, lmloss_tensor&, lmloss_head& h) {
+                         h.logits.stride = 1;
+                       });
+}
+
+TEST_P(Validation, TopkKZero) {
+  TopkCase t = topk_case();
+  lmloss_topk_options o = t.options;
+  o.k = 0;
+  expect_topk_rejected(t, o, "options.k");
+}
+
+TEST_P(Validation, TopkKAboveVocabulary) {
+  TopkCase t = topk_case(38);  // vocab 37; outputs sized for k = 38
+  expect_topk_rejected(t, t.options, "options.k");
+}
+
+TEST_P(Validation, TopkOutputs) {
+  TopkCase t = topk_case();
+  expect_topk_rejected(t, t.options, "ids",
+                       [](lmloss_tensor& ids, lmloss_tensor&, lmloss_tensor&, lmloss_head&) {
+                         ids.dtype = LMLOSS_F32;
+                       });
+  expect_topk_rejected(t, t.options, "probs",
+                       [](lmloss_tensor&, lmloss_tensor& probs, lmloss_tensor&, lmloss_head&) {
+                         probs.shape[1] += 1;
+                       });
+  expect_topk_rejected(t, t.options, "tail",
+                       [](lmloss_tensor&, lmloss_tensor&, lmloss_tensor& tail, lmloss_head&) {
+                         tail.shape[0] -= 1;
+                       });
+}
+
+TEST_P(Validation, LabelOutOfRange) {
+  for (const int64_t bad : {int64_t{37}, int64_t{-5}}) {  // vocab 37; -5 is not ignore_index
+    SCOPED_TRACE(bad);
+    LossCase c = logits_case();
+    c.labels.set_id(5, bad);  // the last token: a check that writes as it goes is caught
+    expect_bad_id(c, "targets.labels");
+  }
+  LossCase c = linear_case();
+  c.labels.set_id(5, 1000);
+  expect_bad_id(c, "targets.labels");
+}
+
+TEST_P(Validation, TeacherIdOutOfRange) {
+  for (const int64_t bad : {int64_t{37}, int64_t{-1}}) {
+    SCOPED_TRACE(bad);
+    LossCase c = logits_case();
+    c.labels.set_id(5, 4);  // token 5 counted: an uncounted token's teacher row is never read
+    c.token_mask.set_id(5, 1);
+    c.teacher_ids.set_id(5 * 3 + 2, bad);
+    expect_bad_id(c, "targets.teacher_ids");
+  }
+}
+
+TEST_P(Validation, TemperatureNotPositive) {
+  for (const double t : {0.0, -1.0, double(NAN)}) {
+    SCOPED_TRACE(t);
+    LossCase c = logits_case();
+    LossArgs a = args_of(c);
+    a.options.temperature = t;
+    expect_loss_rejected(c, a, "options.temperature");
+    TopkCase k = topk_case();
+    lmloss_topk_options o = k.options;
+    o.temperature = t;
+    expect_topk_rejected(k, o, "options.temperature");
+  }
+}
+
+TEST_P(Validation, SoftcapNegative) {
+  LossCase c = logits_case();
+  LossArgs a = args_of(c);
+  a.options.softcap = -1;
+  expect_loss_rejected(c, a, "options.softcap");
+  TopkCase k = topk_case();
+  lmloss_topk_options o = k.options;
+  o.softcap = -0.5;
+  expect_topk_rejected(k, o, "options.softcap");
+}
+
+TEST_P(Validation, LabelSmoothingOutsideUnitInterval) {
+  for (const double eps : {-0.1, 1.5}) {
+    SCOPED_TRACE(eps);
+    LossCase c = logits_case();
+    LossArgs a = args_of(c);
+    a.options.label_smoothing = eps;
+    expect_loss_rejected(c, a, "options.label_smoothing");
+  }
+}
+
+TEST_P(Validation, NegativeZLoss) {
+  LossCase c = logits_case();
+  LossArgs a = args_of(c);
+  a.options.z_loss = -1e-3;
+  expect_loss_rejected(c, a, "options.z_loss");
+}
+
+TEST_P(Validation, LossShapeMustFitTheReduction) {
+  {
+    // reduction none wants (n_tokens); a scalar is given.
+    lmloss_loss_options o = lmloss_loss_options_default();
+    o.reduction = LMLOSS_REDUCTION_NONE;
+    LossCase c = logits_case(o);
+    LossArgs a = args_of(c);
+    a.loss.ndim = 0;
+    a.loss.shape[0] = 0;
+    expect_loss_rejected(c, a, "loss", Mode::forward);
+  }
+  {
+    LossCase c = logits_case();  // mean wants a scalar; a vector is given
+    LossArgs a = args_of(c);
+    a.loss.ndim = 1;
+    a.loss.shape[0] = 6;
+    expect_loss_rejected(c, a, "loss", Mode::forward);
+  }
+  {
+    LossCase c = logits_case();  // an upstream vector for a scalar loss
+    LossArgs a = args_of(c);
+    Buffer upstream = Buffer::of_values(device(), LMLOSS_F32, std::vector<double>(6, 1.0), 1, 6);
+    upstream.upload();
+    a.grad_loss = upstream.tensor();
+    expect_loss_rejected(c, a, "grad_loss", Mode::backward);
+  }
+}
+
+TEST_P(Validation, BadOptionValues) {
+  {
+    LossCase c = logits_case();
+    LossArgs a = args_of(c);
+    a.options.reduction = static_cast<lmloss_reduction>(7);
+    expect_loss_rejected(c, a, "options.reduction");
+  }
+  {
+    LossCase c = logits_case();
+    LossArgs a = args_of(c);
+    a.options.struct_size = 3;
+    expect_loss_rejected(c, a, "options.struct_size");
+  }
+  {
+    LossCase c = logits_case();
+    LossArgs a = args_of(c);
+    a.options.normalizer = -2;
+    expect_loss_rejected(c, a, "options.normalizer");
+  }
+}
+
+TEST_P(Validation, MissingTargets) {
+  {
+    LossCase c = logits_case();  // cross-entropy weight without labels
+    LossArgs a = args_of(c);
+    a.targets.labels = lmloss_tensor_none();
+    a.targets.token_mask = lmloss_tensor_none();
+    a.targets.teacher_ids = lmloss_tensor_none();
+    a.targets.teacher_probs = lmloss_tensor_none();
+    expect_loss_rejected(c, a, "targets");
+  }
+  {
+    LossCase c = logits_case();  // distillation weight without a teacher
+    LossArgs a = args_of(c);
+    a.targets.teacher_ids = lmloss_tensor_none();
+    a.targets.teacher_probs = lmloss_tensor_none();
+    expect_loss_rejected(c, a, "targets.teacher_ids");
+  }
+}
+
+TEST_P(Validation, GradientOfTheWrongHead) {
+  LossCase c = linear_case();
+  LossArgs a = args_of(c);
+  a.grads.grad_logits = a.head.hidden;  // logits gradients for a linear head
+  expect_loss_rejected(c, a, "grads.grad_logits");
+}
+
+TEST_P(Validation, InPlaceWithAnotherStride) {
+  LossSetup s;
+  s.device = device();
+  s.in_place = true;
+  s.row_padding = 3;
+  Generator gen(404);
+  LossCase c(gen.problem({.n_tokens = 6, .vocab = 37}), lmloss_loss_options_default(), s);
+  LossArgs a = args_of(c);
+  a.grads.grad_logits.stride = 0;  // same memory, read with another row stride
+  expect_loss_rejected(c, a, "grads.grad_logits");
+}
+
+TEST_P(Validation, BudgetTooSmallForOneRow) {
+  LossCase c = linear_case();
+  ctx.set_workspace_budget(64);
+  const LossArgs a = args_of(c);
+  expect_loss_rejected(c, a, "context workspace budget");
+  TopkCase t = topk_case();
+  expect_topk_rejected(t, t.options, "context workspace budget");
+}
+
+TEST_P(Validation, CudaTensorsWithoutCuda) {
+  if (device() != Device::cpu) GTEST_SKIP() << "a CPU-only check";
+  if (lmloss_backend_available(LMLOSS_DEVICE_CUDA)) GTEST_SKIP() << "a CUDA device is available";
+  // Host memory described as CUDA memory: it must be refused before anything reads it.
+  LossCase c = logits_case();
+  LossArgs a = args_of(c);
+  for (lmloss_tensor* t : {&a.head.logits, &a.targets.labels, &a.targets.teacher_ids,
+                           &a.targets.teacher_probs, &a.targets.token_mask, &a.loss, &a.lse,
+                           &a.grads.grad_logits}) {
+    t->device_type = LMLOSS_DEVICE_CUDA;
+  }
+  const lmloss_status got =
+      c.invoke(ctx.get(), [&] { return call(ctx.get(), Mode::forward_backward, a); });
+  EXPECT_EQ(got, LMLOSS_ERROR_UNSUPPORTED) << lmloss_last_error();
+  EXPECT_STRNE(lmloss_last_error(), "");
+  for (const Buffer* b : c.outputs()) EXPECT_TRUE(untouched(*b));
+}
+
+TEST_P(Validation, SuccessClearsTheLastError) {
+  LossCase c = logits_case();
+  LossArgs a = args_of(c);
+  a.options.temperature = 0;
+  expect_loss_rejected(c, a, "options.temperature");
+  ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_STREQ(lmloss_last_error(), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(, Validation, all_devices, ParamName{});
+
+}  // namespace
+}  // namespace lmloss::test
