@@ -1,0 +1,498 @@
+"""The array API: losses and teacher top-k on NumPy arrays, PyTorch tensors or any DLPack array.
+
+Each function checks what only Python knows (leading batch dimensions, the kind of the options),
+allocates its outputs as the caller's kind of array on the inputs' device, and hands everything
+to the library in place. The library checks the rest before it writes anything, so a failed
+call leaves every input, and an in-place gradient's logits, as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import operator
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from . import _lmloss
+from ._arrays import Array, as_array, empty, to_float
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass
+class LossResult:
+    """What a loss returns. `loss` is a Python float for reduction "mean" and "sum" and an array
+    of the tokens' shape for "none"; `lse` holds log-sum-exp of the scaled logits per token. The
+    gradients are set with grad=True: `grad_logits` for cross_entropy (the logits themselves with
+    inplace_grad=True), `grad_hidden`, `grad_weight` (None with grad_weight=False) and `grad_bias`
+    (None without a bias) for the linear losses."""
+
+    loss: Any
+    lse: Any
+    grad_hidden: Any = None
+    grad_weight: Any = None
+    grad_bias: Any = None
+    grad_logits: Any = None
+
+
+@dataclass
+class TopkResult:
+    """ids (int32, [..., k]) sorted by descending logit, ties to the lower id; probs ([..., k],
+    float32, float64 for float64 inputs); tail ([...], the probability mass outside the k; zeros
+    when renormalised)."""
+
+    ids: Any
+    probs: Any
+    tail: Any
+
+
+# ---- Errors ----------------------------------------------------------------------------------
+
+# The library names arguments as its C structs do ("head.hidden", "options.temperature"); the
+# Python functions take them as plain keywords.
+_C_PREFIX = re.compile(r"\b(?:head|targets|options|grads)\.")
+
+
+def _translate(error: _lmloss.Error) -> Exception:
+    status, message = error.args
+    message = _C_PREFIX.sub("", message)
+    if status in ("invalid_argument", "unsupported") and "dtype" in message:
+        return TypeError(message)
+    if status in ("invalid_argument", "id_out_of_range"):
+        return ValueError(message)
+    if status == "unsupported":
+        return NotImplementedError(message)
+    if status == "out_of_memory":
+        return MemoryError(message)
+    return RuntimeError(message)
+
+
+# ---- Option parsing --------------------------------------------------------------------------
+
+
+def _real(value, name: str) -> float:
+    if isinstance(value, (bool, str, bytes)) or not hasattr(type(value), "__float__"):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _integer(value, name: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an integer, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
+
+
+def _reduction(value) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"reduction: expected a string, got {type(value).__name__}")
+    if value not in _REDUCTIONS:
+        raise ValueError(f'reduction: expected "mean", "sum" or "none", got "{value}"')
+    return value
+
+
+def _softcap(value) -> float:
+    if value is None:
+        return 0.0
+    c = _real(value, "softcap")
+    if not (c > 0 and math.isfinite(c)):
+        raise ValueError(f"softcap: must be finite and > 0 (None turns soft-capping off), got {c}")
+    return c
+
+
+def _normalizer(value) -> float:
+    if value is None:
+        return 0.0
+    d = _real(value, "normalizer")
+    if not (d > 0 and math.isfinite(d)):
+        raise ValueError(f"normalizer: must be finite and > 0 (None: the counted tokens), got {d}")
+    return d
+
+
+def loss_options(*, reduction, ignore_index, label_smoothing, z_loss, softcap, temperature,
+                 normalizer, ce_weight=1.0, kd_weight=0.0) -> dict:
+    """The library's loss options from the Python keywords, checked for kind (the library
+    checks the ranges)."""
+    return dict(
+        reduction=_reduction(reduction),
+        ignore_index=_integer(ignore_index, "ignore_index"),
+        normalizer=_normalizer(normalizer),
+        ce_weight=_real(ce_weight, "ce_weight"),
+        kd_weight=_real(kd_weight, "kd_weight"),
+        label_smoothing=_real(label_smoothing, "label_smoothing"),
+        z_loss=_real(z_loss, "z_loss"),
+        softcap=_softcap(softcap),
+        temperature=_real(temperature, "temperature"),
+    )
+
+
+# ---- Running on the arrays' device -----------------------------------------------------------
+
+
+def _torch_alloc(nbytes, device, stream):
+    return sys.modules["torch"].cuda.caching_allocator_alloc(nbytes, device, stream)
+
+
+def _torch_free(address, nbytes, device, stream):
+    sys.modules["torch"].cuda.caching_allocator_delete(address)
+
+
+_TORCH_ALLOCATOR = (_torch_alloc, _torch_free)
+
+
+def device_stream(device: int):
+    """(stream, allocator) for a call on `device` (-1: the host). On CUDA, with PyTorch loaded,
+    work goes on PyTorch's current stream and workspace comes from its caching allocator;
+    otherwise on the legacy default stream with the library's own allocator."""
+    if device < 0:
+        return 0, None
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0, None
+    return torch.cuda.current_stream(device).cuda_stream, _TORCH_ALLOCATOR
+
+
+def _on_device(device: int):
+    """PyTorch exports a CUDA tensor through DLPack only while its device is the current one."""
+    torch = sys.modules.get("torch")
+    if device < 0 or torch is None:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def invoke_loss(mode: str, device: int, **kwargs) -> None:
+    stream, allocator = device_stream(device)
+    try:
+        with _on_device(device):
+            _lmloss.loss(mode, stream=stream, allocator=allocator, **kwargs)
+    except _lmloss.Error as e:
+        raise _translate(e) from None
+
+
+def invoke_topk(device: int, **kwargs) -> None:
+    stream, allocator = device_stream(device)
+    try:
+        with _on_device(device):
+            _lmloss.topk(stream=stream, allocator=allocator, **kwargs)
+    except _lmloss.Error as e:
+        raise _translate(e) from None
+
+
+def synchronize(device=None) -> None:
+    """Waits for this thread's lmloss work on a CUDA device and raises ValueError if a label or
+    teacher id was found out of range there since the last check. `device`: a CUDA ordinal, a
+    torch.device, or None for the current PyTorch device (the host: returns at once)."""
+    if device is None:
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_available():
+            return
+        device = torch.cuda.current_device()
+    elif not isinstance(device, int):
+        if getattr(device, "type", None) == "cpu":
+            return
+        device = device.index if device.index is not None else sys.modules["torch"].cuda.current_device()
+    stream, _ = device_stream(device)
+    try:
+        _lmloss.synchronize(device, stream)
+    except _lmloss.Error as e:
+        raise _translate(e) from None
+
+
+# ---- Shapes ----------------------------------------------------------------------------------
+
+
+def _lead(x, name: str) -> Array:
+    a = as_array(x, name)
+    if a.ndim < 1:
+        last = "hidden" if name == "hidden" else "vocab"
+        raise ValueError(f"{name}: expected shape (..., {last}), got a scalar")
+    return a
+
+
+def _batched(x, name: str, batch: tuple, lead_name: str, extra: Optional[str] = None,
+             optional: bool = False) -> Optional[Array]:
+    """A per-token argument: shape `batch` (labels, mask) or `batch + (k,)` (teacher top-k)."""
+    if x is None:
+        if optional:
+            return None
+        raise TypeError(f"{name}: is required")
+    a = as_array(x, name)
+    shape = a.shape
+    ok = (len(shape) >= 1 and shape[:-1] == batch) if extra else shape == batch
+    if not ok:
+        want = f"{batch + ('k',)}" if extra else f"{batch}"
+        raise ValueError(
+            f"{name}: expected shape {want.replace(chr(39), '')} to match the leading dimensions "
+            f"of {lead_name}, got {shape}"
+        )
+    return a
+
+
+def _matrix(x, name: str, meaning: str) -> Array:
+    a = as_array(x, name)
+    if a.ndim != 2:
+        raise ValueError(f"{name}: expected shape {meaning}, got {a.shape}")
+    return a
+
+
+def _compute_dtype(lead: Array) -> str:
+    return "float64" if lead.dtype == "float64" else "float32"
+
+
+def _finish_loss(lead: Array, loss, reduction: str, batch: tuple):
+    """The loss as the caller sees it: a float for mean/sum (reading it waits for a CUDA
+    device, which also reports ids found out of range there), an array of the tokens' shape
+    for none."""
+    if reduction == "none":
+        return lead.back(loss.reshape(batch))
+    if lead.device >= 0:
+        synchronize(lead.device)
+    return to_float(loss, lead.kind)
+
+
+# ---- The losses ------------------------------------------------------------------------------
+
+
+def cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                  z_loss=0.0, softcap=None, temperature=1.0, normalizer=None, grad=False,
+                  inplace_grad=False) -> LossResult:
+    """Cross-entropy of logits [..., V] against labels [...] (class dimension last).
+
+    grad=True also returns grad_logits, the gradient of the loss (of the sum of the per-token
+    losses for reduction "none"); inplace_grad=True writes it over the logits (and implies
+    grad=True), which must then be a writable array whose leading dimensions fold into rows
+    without a copy."""
+    z = _lead(logits, "logits")
+    batch = z.shape[:-1]
+    y = _batched(labels, "labels", batch, "logits")
+    opts = loss_options(reduction=reduction, ignore_index=ignore_index,
+                        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                        temperature=temperature, normalizer=normalizer)
+    inplace = bool(inplace_grad)
+    grad = bool(grad) or inplace
+    z_rows = _inplace_rows(z) if inplace else z.rows()
+    n = z_rows.shape[0]
+    compute = _compute_dtype(z)
+    loss = empty(z, (n,) if opts["reduction"] == "none" else (), compute)
+    lse = empty(z, (n,), compute)
+    grad_logits = None
+    if grad:
+        grad_logits = z_rows if inplace else empty(z, tuple(z_rows.shape), z.dtype)
+    invoke_loss("forward_backward" if grad else "forward", z.device, logits=z_rows,
+                labels=y.flat(), loss=loss, lse=lse, grad_logits=grad_logits, **opts)
+    result = LossResult(loss=_finish_loss(z, loss, opts["reduction"], batch),
+                        lse=z.back(lse.reshape(batch)))
+    if grad:
+        result.grad_logits = logits if inplace else z.back(grad_logits.reshape(z.shape))
+    return result
+
+
+def _inplace_rows(z: Array):
+    """The logits as rows that alias the caller's memory, or ValueError naming them."""
+    v = z.shape[-1]
+    if z.kind == "numpy":
+        import numpy as np
+
+        if not z.data.flags.writeable:
+            raise ValueError("logits: is read-only; inplace_grad needs a writable array")
+        rows = z.data.reshape(-1, v)
+        if rows.size and not np.may_share_memory(rows, z.data):
+            rows = None
+    else:
+        try:
+            rows = z.data.view(-1, v)
+        except RuntimeError:
+            rows = None
+    if rows is not None:
+        from ._arrays import _describable
+
+        if _describable(rows, z.kind) is not rows:
+            rows = None
+    if rows is None:
+        raise ValueError(
+            "logits: inplace_grad needs logits whose leading dimensions fold into rows with a "
+            "contiguous last dimension, without a copy"
+        )
+    return rows
+
+
+def _linear_head(hidden, weight, bias):
+    x = _lead(hidden, "hidden")
+    w = _matrix(weight, "weight", "(vocab, hidden)")
+    b = None if bias is None else as_array(bias, "bias")
+    return x, w, b
+
+
+def _bias_rows(b: Optional[Array]):
+    if b is None:
+        return None
+    return b.flat() if b.ndim == 1 else b.data
+
+
+def _linear_grads(x: Array, w: Array, b: Optional[Array], n: int, grad: bool,
+                  grad_weight: bool) -> dict:
+    if not grad:
+        return {}
+    return dict(
+        grad_hidden=empty(x, (n, x.shape[-1]), x.dtype),
+        grad_weight=empty(x, w.shape, x.dtype) if grad_weight else None,
+        grad_bias=empty(x, (w.shape[0],), x.dtype) if b is not None else None,
+    )
+
+
+def _linear_result(x: Array, loss, lse, grads: dict, reduction: str, batch: tuple) -> LossResult:
+    result = LossResult(loss=_finish_loss(x, loss, reduction, batch), lse=x.back(lse.reshape(batch)))
+    if grads:
+        result.grad_hidden = x.back(grads["grad_hidden"].reshape(x.shape))
+        result.grad_weight = None if grads["grad_weight"] is None else x.back(grads["grad_weight"])
+        result.grad_bias = None if grads["grad_bias"] is None else x.back(grads["grad_bias"])
+    return result
+
+
+def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100,
+                         reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
+                         temperature=1.0, normalizer=None, grad=False,
+                         grad_weight=True) -> LossResult:
+    """Cross-entropy of the logits hidden @ weight.T (+ bias), formed a chunk of tokens at a
+    time and never held whole. hidden [..., H], weight [V, H] (nn.Linear layout), labels [...].
+
+    grad=True also returns grad_hidden, grad_weight (skipped with grad_weight=False) and
+    grad_bias: gradients of the loss (of the sum of the per-token losses for "none")."""
+    x, w, b = _linear_head(hidden, weight, bias)
+    batch = x.shape[:-1]
+    y = _batched(labels, "labels", batch, "hidden")
+    opts = loss_options(reduction=reduction, ignore_index=ignore_index,
+                        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                        temperature=temperature, normalizer=normalizer)
+    x_rows = x.rows()
+    n = x_rows.shape[0]
+    compute = _compute_dtype(x)
+    loss = empty(x, (n,) if opts["reduction"] == "none" else (), compute)
+    lse = empty(x, (n,), compute)
+    grads = _linear_grads(x, w, b, n, bool(grad), bool(grad_weight))
+    invoke_loss("forward_backward" if grad else "forward", x.device, hidden=x_rows,
+                weight=w.rows(), bias=_bias_rows(b), labels=y.flat(),
+                loss=loss, lse=lse, **grads, **opts)
+    return _linear_result(x, loss, lse, grads, opts["reduction"], batch)
+
+
+def linear_distill(hidden, weight, teacher_ids, teacher_probs, *, bias=None, labels=None,
+                   token_mask=None, ce_weight=0.0, kd_weight=1.0, ignore_index=-100,
+                   label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
+                   reduction="mean", normalizer=None, grad=False,
+                   grad_weight=True) -> LossResult:
+    """Top-k distillation through the head: per token, kd_weight * KL(teacher top-k || student)
+    + ce_weight * cross-entropy against labels (+ z-loss), in one pass over the logits.
+
+    teacher_ids [..., k] (int32/int64) and teacher_probs [..., k] (float32; float64 with float64
+    inputs) hold the teacher's top-k; labels [...] and token_mask [...] (bool/uint8, False = not
+    counted) say which tokens count."""
+    x, w, b = _linear_head(hidden, weight, bias)
+    batch = x.shape[:-1]
+    ids = _batched(teacher_ids, "teacher_ids", batch, "hidden", extra="k")
+    probs = _batched(teacher_probs, "teacher_probs", batch, "hidden", extra="k")
+    y = _batched(labels, "labels", batch, "hidden", optional=True)
+    mask = _batched(token_mask, "token_mask", batch, "hidden", optional=True)
+    opts = loss_options(reduction=reduction, ignore_index=ignore_index,
+                        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                        temperature=temperature, normalizer=normalizer, ce_weight=ce_weight,
+                        kd_weight=kd_weight)
+    x_rows = x.rows()
+    n = x_rows.shape[0]
+    compute = _compute_dtype(x)
+    loss = empty(x, (n,) if opts["reduction"] == "none" else (), compute)
+    lse = empty(x, (n,), compute)
+    grads = _linear_grads(x, w, b, n, bool(grad), bool(grad_weight))
+    if probs.shape != ids.shape:
+        raise ValueError(f"teacher_probs: expected shape {ids.shape} like teacher_ids, got {probs.shape}")
+    invoke_loss("forward_backward" if grad else "forward", x.device, hidden=x_rows,
+                weight=w.rows(), bias=_bias_rows(b),
+                labels=None if y is None else y.flat(),
+                teacher_ids=ids.rows(), teacher_probs=probs.rows(),
+                token_mask=None if mask is None else mask.flat(),
+                loss=loss, lse=lse, **grads, **opts)
+    return _linear_result(x, loss, lse, grads, opts["reduction"], batch)
+
+
+# ---- Teacher top-k ---------------------------------------------------------------------------
+
+
+def _topk(head: dict, lead: Array, vocab: int, k, softcap, temperature, renormalize) -> TopkResult:
+    k = _integer(k, "k")
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k: {k} must be in [1, vocab = {vocab}]")
+    batch = lead.shape[:-1]
+    rows = head["logits"] if head.get("logits") is not None else head["hidden"]
+    n = rows.shape[0]
+    compute = _compute_dtype(lead)
+    ids = empty(lead, (n, k), "int32")
+    probs = empty(lead, (n, k), compute)
+    tail = empty(lead, (n,), compute)
+    invoke_topk(lead.device, **head, k=k, softcap=_softcap(softcap),
+                temperature=_real(temperature, "temperature"), renormalize=bool(renormalize),
+                ids=ids, probs=probs, tail=tail)
+    return TopkResult(ids=lead.back(ids.reshape(batch + (k,))),
+                      probs=lead.back(probs.reshape(batch + (k,))),
+                      tail=lead.back(tail.reshape(batch)))
+
+
+def topk(hidden, weight, k, *, bias=None, softcap=None, temperature=1.0,
+         renormalize=True) -> TopkResult:
+    """The teacher's top-k through its head (hidden [..., H], weight [V, H]), without its full
+    logits. renormalize=True: probs are the softmax over the k selected (tail 0); False: the
+    full-vocabulary probabilities of those ids, with the mass outside them in tail."""
+    x, w, b = _linear_head(hidden, weight, bias)
+    head = dict(hidden=x.rows(), weight=w.rows(), bias=_bias_rows(b))
+    return _topk(head, x, w.shape[0], k, softcap, temperature, renormalize)
+
+
+def topk_logits(logits, k, *, softcap=None, temperature=1.0, renormalize=True) -> TopkResult:
+    """As topk, from logits [..., V]."""
+    z = _lead(logits, "logits")
+    return _topk(dict(logits=z.rows()), z, z.shape[-1], k, softcap, temperature, renormalize)
+
+
+# ---- Settings of the calling thread ----------------------------------------------------------
+
+
+def set_workspace_budget(nbytes: int) -> None:
+    """Bounds the library's own working memory (logits chunks, scratch) for calls from this
+    thread, on every device. Default 1 GiB."""
+    try:
+        _lmloss.set_workspace_budget(_integer(nbytes, "nbytes"))
+    except _lmloss.Error as e:
+        raise _translate(e) from None
+
+
+def workspace_budget() -> int:
+    return _lmloss.workspace_budget()
+
+
+def peak_workspace(device: int = -1) -> int:
+    """The most workspace bytes this thread's calls held at once on `device` (-1: the host)."""
+    return _lmloss.peak_workspace(device)
+
+
+def reset_peak_workspace(device: int = -1) -> None:
+    _lmloss.reset_peak_workspace(device)
+
+
+def set_num_threads(num_threads: int) -> None:
+    """CPU threads for this thread's calls; 0: all cores."""
+    try:
+        _lmloss.set_num_threads(_integer(num_threads, "num_threads"))
+    except _lmloss.Error as e:
+        raise _translate(e) from None
+
+
+def backend_available(device: str) -> bool:
+    """Whether the "cpu" or "cuda" backend is built in and has a usable device."""
+    try:
+        return _lmloss.backend_available(device)
+    except _lmloss.Error as e:
+        raise _translate(e) from None

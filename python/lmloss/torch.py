@@ -1,0 +1,438 @@
+"""lmloss for PyTorch: autograd-aware losses and nn.Module wrappers.
+
+    import lmloss.torch as lt
+    loss = lt.linear_cross_entropy(hidden, model.lm_head.weight, labels)   # hidden [B, T, H]
+    loss.backward()                                                        # grads to hidden, weight
+
+The losses are torch.library custom ops with fake implementations, so torch.compile
+(fullgraph=True) traces them without a graph break, and they run on the tensors' device: on CUDA
+on PyTorch's current stream, with workspace from its caching allocator, and without a
+device-to-host sync (the loss stays a device tensor).
+
+Gradients: with reduction "mean" or "sum" and a gradient needed, one fused pass computes the loss
+and the gradients together (each chunk of logits is formed once, 6NHV flops); backward scales
+them by the upstream gradient. With reduction "none" the upstream gradient is a per-token vector
+known only in backward, so forward saves log-sum-exp and backward recomputes the logits a chunk at
+a time (8NHV flops). For bf16/f16 weights the weight and bias gradients are accumulated in float32
+and cast to the parameter's dtype once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _api
+
+__all__ = [
+    "cross_entropy",
+    "linear_cross_entropy",
+    "linear_distill",
+    "LinearCrossEntropyLoss",
+    "LinearDistillLoss",
+]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Gradients summed over every token (weight, bias) are kept in float32 for 16-bit inputs."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def _rows(t: Optional[Tensor]) -> Optional[Tensor]:
+    """t when the library can describe it in place (unit last stride, rows not overlapping)."""
+    if t is None:
+        return None
+    if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        return t.contiguous()
+    if t.dim() == 2 and t.shape[0] > 1 and t.stride(0) < t.shape[1]:
+        return t.contiguous()
+    if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
+        return t.contiguous()
+    return t
+
+
+def _device(logits: Optional[Tensor], hidden: Optional[Tensor]) -> int:
+    lead = logits if logits is not None else hidden
+    return lead.device.index if lead.device.type == "cuda" else -1
+
+
+def _run(mode: str, device: int, **kwargs) -> None:
+    _api.invoke_loss(mode, device, **kwargs)
+
+
+def _empty_like_shape(ref: Tensor, shape, dtype) -> Tensor:
+    return torch.empty(shape, dtype=dtype, device=ref.device)
+
+
+def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias):
+    """(grad_logits, grad_hidden, grad_weight, grad_bias); an empty tensor stands for a gradient
+    not wanted (a custom op returns tensors, never None)."""
+    lead = logits if logits is not None else hidden
+
+    def none():  # each output its own tensor: a custom op's outputs may not alias
+        return _empty_like_shape(lead, (0,), lead.dtype)
+
+    g_logits = torch.empty_like(logits, memory_format=torch.contiguous_format) if (
+        logits is not None and want_logits) else none()
+    g_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if (
+        hidden is not None and want_hidden) else none()
+    g_weight = _empty_like_shape(weight, weight.shape, _accumulate_dtype(weight.dtype)) if (
+        weight is not None and want_weight) else none()
+    g_bias = _empty_like_shape(bias, bias.shape, _accumulate_dtype(bias.dtype)) if (
+        bias is not None and want_bias) else none()
+    return g_logits, g_hidden, g_weight, g_bias
+
+
+def _present(t: Tensor) -> Optional[Tensor]:
+    return t if t.numel() > 0 or t.dim() != 1 else None
+
+
+# ---- The custom ops ------------------------------------------------------------------------
+# One set of ops serves every loss: a head (logits, or hidden + weight + bias), the targets
+# (labels, teacher top-k, mask) and the options, as in the C API.
+
+
+@torch.library.custom_op("lmloss::loss_forward", mutates_args=())
+def _loss_forward(
+    logits: Optional[Tensor], hidden: Optional[Tensor], weight: Optional[Tensor],
+    bias: Optional[Tensor], labels: Optional[Tensor], teacher_ids: Optional[Tensor],
+    teacher_probs: Optional[Tensor], token_mask: Optional[Tensor], reduction: str,
+    ignore_index: int, normalizer: float, ce_weight: float, kd_weight: float,
+    label_smoothing: float, z_loss: float, softcap: float, temperature: float,
+) -> Tuple[Tensor, Tensor]:
+    """(loss, lse): the loss, and log-sum-exp per token saved for a recomputing backward."""
+    lead = logits if logits is not None else hidden
+    n = lead.shape[0]
+    compute = _compute_dtype(lead.dtype)
+    loss = _empty_like_shape(lead, (n,) if reduction == "none" else (), compute)
+    lse = _empty_like_shape(lead, (n,), compute)
+    _run("forward", _device(logits, hidden), logits=_rows(logits), hidden=_rows(hidden),
+         weight=_rows(weight), bias=_rows(bias), labels=_rows(labels),
+         teacher_ids=_rows(teacher_ids), teacher_probs=_rows(teacher_probs),
+         token_mask=_rows(token_mask), reduction=reduction, ignore_index=ignore_index,
+         normalizer=normalizer, ce_weight=ce_weight, kd_weight=kd_weight,
+         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+         temperature=temperature, loss=loss, lse=lse)
+    return loss, lse
+
+
+@_loss_forward.register_fake
+def _(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask, reduction,
+      ignore_index, normalizer, ce_weight, kd_weight, label_smoothing, z_loss, softcap,
+      temperature):
+    lead = logits if logits is not None else hidden
+    n = lead.shape[0]
+    compute = _compute_dtype(lead.dtype)
+    loss = lead.new_empty((n,) if reduction == "none" else (), dtype=compute)
+    return loss, lead.new_empty((n,), dtype=compute)
+
+
+@torch.library.custom_op("lmloss::loss_backward", mutates_args=())
+def _loss_backward(
+    logits: Optional[Tensor], hidden: Optional[Tensor], weight: Optional[Tensor],
+    bias: Optional[Tensor], labels: Optional[Tensor], teacher_ids: Optional[Tensor],
+    teacher_probs: Optional[Tensor], token_mask: Optional[Tensor], reduction: str,
+    ignore_index: int, normalizer: float, ce_weight: float, kd_weight: float,
+    label_smoothing: float, z_loss: float, softcap: float, temperature: float, lse: Tensor,
+    grad_loss: Tensor, want_logits: bool, want_hidden: bool, want_weight: bool, want_bias: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients from a saved lse and the upstream gradient, logits recomputed a chunk at a
+    time; an empty tensor for each one not wanted."""
+    g_logits, g_hidden, g_weight, g_bias = _grad_buffers(
+        logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias)
+    compute = lse.dtype
+    _run("backward", _device(logits, hidden), logits=_rows(logits), hidden=_rows(hidden),
+         weight=_rows(weight), bias=_rows(bias), labels=_rows(labels),
+         teacher_ids=_rows(teacher_ids), teacher_probs=_rows(teacher_probs),
+         token_mask=_rows(token_mask), reduction=reduction, ignore_index=ignore_index,
+         normalizer=normalizer, ce_weight=ce_weight, kd_weight=kd_weight,
+         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+         temperature=temperature, lse=_rows(lse),
+         grad_loss=grad_loss.to(compute).contiguous(),
+         grad_logits=_present(g_logits), grad_hidden=_present(g_hidden),
+         grad_weight=_present(g_weight), grad_bias=_present(g_bias))
+    return g_logits, g_hidden, g_weight, g_bias
+
+
+@_loss_backward.register_fake
+def _(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask, reduction,
+      ignore_index, normalizer, ce_weight, kd_weight, label_smoothing, z_loss, softcap,
+      temperature, lse, grad_loss, want_logits, want_hidden, want_weight, want_bias):
+    return _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_weight,
+                         want_bias)
+
+
+@torch.library.custom_op("lmloss::loss_forward_backward", mutates_args=())
+def _loss_forward_backward(
+    logits: Optional[Tensor], hidden: Optional[Tensor], weight: Optional[Tensor],
+    bias: Optional[Tensor], labels: Optional[Tensor], teacher_ids: Optional[Tensor],
+    teacher_probs: Optional[Tensor], token_mask: Optional[Tensor], reduction: str,
+    ignore_index: int, normalizer: float, ce_weight: float, kd_weight: float,
+    label_smoothing: float, z_loss: float, softcap: float, temperature: float,
+    want_logits: bool, want_hidden: bool, want_weight: bool, want_bias: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, grad_logits, grad_hidden, grad_weight, grad_bias) in one pass, the gradients
+    for an upstream gradient of 1 (reduction mean or sum)."""
+    lead = logits if logits is not None else hidden
+    compute = _compute_dtype(lead.dtype)
+    n = lead.shape[0]
+    loss = _empty_like_shape(lead, (n,) if reduction == "none" else (), compute)
+    lse = _empty_like_shape(lead, (n,), compute)
+    g_logits, g_hidden, g_weight, g_bias = _grad_buffers(
+        logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias)
+    _run("forward_backward", _device(logits, hidden), logits=_rows(logits),
+         hidden=_rows(hidden), weight=_rows(weight), bias=_rows(bias), labels=_rows(labels),
+         teacher_ids=_rows(teacher_ids), teacher_probs=_rows(teacher_probs),
+         token_mask=_rows(token_mask), reduction=reduction, ignore_index=ignore_index,
+         normalizer=normalizer, ce_weight=ce_weight, kd_weight=kd_weight,
+         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+         temperature=temperature, loss=loss, lse=lse,
+         grad_logits=_present(g_logits), grad_hidden=_present(g_hidden),
+         grad_weight=_present(g_weight), grad_bias=_present(g_bias))
+    return loss, lse, g_logits, g_hidden, g_weight, g_bias
+
+
+@_loss_forward_backward.register_fake
+def _(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask, reduction,
+      ignore_index, normalizer, ce_weight, kd_weight, label_smoothing, z_loss, softcap,
+      temperature, want_logits, want_hidden, want_weight, want_bias):
+    lead = logits if logits is not None else hidden
+    n = lead.shape[0]
+    compute = _compute_dtype(lead.dtype)
+    loss = lead.new_empty((n,) if reduction == "none" else (), dtype=compute)
+    return (loss, lead.new_empty((n,), dtype=compute)) + tuple(_grad_buffers(
+        logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias))
+
+
+# ---- Autograd --------------------------------------------------------------------------------
+
+_N_HEAD_TARGETS = 8  # logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask
+_N_OPTIONS = 9       # reduction ... temperature
+
+
+def _setup_forward(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:_N_HEAD_TARGETS], output[1])
+    ctx.options = inputs[_N_HEAD_TARGETS:_N_HEAD_TARGETS + _N_OPTIONS]
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward_forward(ctx, grad_loss, _grad_lse):
+    saved = ctx.saved_tensors
+    head_targets, lse = saved[:_N_HEAD_TARGETS], saved[_N_HEAD_TARGETS]
+    logits, hidden, weight, bias = head_targets[:4]
+    need = ctx.needs_input_grad
+    want = (need[0] and logits is not None, need[1] and hidden is not None,
+            need[2] and weight is not None, need[3] and bias is not None)
+    grads = _loss_backward(*head_targets, *ctx.options, lse, grad_loss, *want)
+    out = [None] * (_N_HEAD_TARGETS + _N_OPTIONS)
+    for i, (w, g, src) in enumerate(zip(want, grads, (logits, hidden, weight, bias))):
+        if w:
+            out[i] = g.to(src.dtype)
+    return tuple(out)
+
+
+_loss_forward.register_autograd(_backward_forward, setup_context=_setup_forward)
+
+
+def _setup_forward_backward(ctx, inputs, output):
+    head = inputs[:4]
+    ctx.dtypes = tuple(None if t is None else t.dtype for t in head)
+    ctx.want = inputs[_N_HEAD_TARGETS + _N_OPTIONS:]
+    ctx.save_for_backward(*output[2:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _backward_forward_backward(ctx, grad_loss, *_grads_of_aux):
+    grads = ctx.saved_tensors
+    out = [None] * (_N_HEAD_TARGETS + _N_OPTIONS + 4)
+    for i in range(4):
+        if ctx.want[i]:
+            out[i] = (grads[i] * grad_loss).to(ctx.dtypes[i])
+    return tuple(out)
+
+
+_loss_forward_backward.register_autograd(_backward_forward_backward,
+                                         setup_context=_setup_forward_backward)
+
+
+# ---- The losses ------------------------------------------------------------------------------
+
+
+def _wants(*tensors: Optional[Tensor]) -> Tuple[bool, ...]:
+    enabled = torch.is_grad_enabled()
+    return tuple(bool(enabled and t is not None and t.requires_grad) for t in tensors)
+
+
+def _check_batched(t: Optional[Tensor], name: str, batch, lead_name: str, extra: bool = False):
+    if t is None:
+        return None
+    shape = tuple(t.shape)
+    if (extra and not shape) or (shape[:-1] if extra else shape) != tuple(batch):
+        want = tuple(batch) + (("k",) if extra else ())
+        raise ValueError(f"{name}: expected shape {want} to match the leading dimensions of "
+                         f"{lead_name}, got {shape}")
+    return t.reshape(-1, shape[-1]) if extra else t.reshape(-1)
+
+
+def _loss(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask, opts,
+          batch):
+    """Runs the right op for the options and what needs a gradient; the loss reshaped to the
+    tokens' leading dimensions for reduction "none"."""
+    want = _wants(logits, hidden, weight, bias)
+    option_values = (opts["reduction"], opts["ignore_index"], opts["normalizer"],
+                     opts["ce_weight"], opts["kd_weight"], opts["label_smoothing"],
+                     opts["z_loss"], opts["softcap"], opts["temperature"])
+    args = (logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask)
+    if any(want) and opts["reduction"] != "none":
+        loss = _loss_forward_backward(*args, *option_values, *want)[0]
+    else:
+        loss = _loss_forward(*args, *option_values)[0]
+    return loss.reshape(batch) if opts["reduction"] == "none" else loss
+
+
+def _lead_rows(t, name: str):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() < 1:
+        raise ValueError(f"{name}: expected shape (..., {'hidden' if name == 'hidden' else 'vocab'}), got a scalar")
+    return t.reshape(-1, t.shape[-1]), tuple(t.shape[:-1])
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  softcap: Optional[float] = None, temperature: float = 1.0,
+                  normalizer: Optional[float] = None) -> Tensor:
+    """Cross-entropy of logits [..., V] against labels [...]; differentiable in logits. As
+    torch.nn.functional.cross_entropy with the class dimension last, plus z-loss, soft-capping,
+    temperature and a caller-given normalizer for "mean"."""
+    opts = _api.loss_options(reduction=reduction, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                             temperature=temperature, normalizer=normalizer)
+    z, batch = _lead_rows(logits, "logits")
+    y = _check_batched(labels, "labels", batch, "logits")
+    return _loss(z, None, None, None, y, None, None, None, opts, batch)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *,
+                         bias: Optional[Tensor] = None, ignore_index: int = -100,
+                         reduction: str = "mean", label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, softcap: Optional[float] = None,
+                         temperature: float = 1.0,
+                         normalizer: Optional[float] = None) -> Tensor:
+    """Cross-entropy of hidden @ weight.T (+ bias) against labels, without the full logits.
+    hidden [..., H], weight [V, H] (nn.Linear layout), labels [...]; differentiable in hidden,
+    weight and bias."""
+    opts = _api.loss_options(reduction=reduction, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                             temperature=temperature, normalizer=normalizer)
+    x, batch = _lead_rows(hidden, "hidden")
+    y = _check_batched(labels, "labels", batch, "hidden")
+    return _loss(None, x, weight, bias, y, None, None, None, opts, batch)
+
+
+def linear_distill(hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_probs: Tensor,
+                   *, bias: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+                   token_mask: Optional[Tensor] = None, ce_weight: float = 0.0,
+                   kd_weight: float = 1.0, ignore_index: int = -100,
+                   label_smoothing: float = 0.0, z_loss: float = 0.0,
+                   softcap: Optional[float] = None, temperature: float = 1.0,
+                   reduction: str = "mean", normalizer: Optional[float] = None) -> Tensor:
+    """Top-k distillation (+ ce_weight * cross-entropy) through the head, without the full
+    logits. teacher_ids/teacher_probs [..., k]; teacher_probs are cast to float32 (float64 for
+    float64 inputs) and get no gradient."""
+    opts = _api.loss_options(reduction=reduction, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                             temperature=temperature, normalizer=normalizer,
+                             ce_weight=ce_weight, kd_weight=kd_weight)
+    x, batch = _lead_rows(hidden, "hidden")
+    ids = _check_batched(teacher_ids, "teacher_ids", batch, "hidden", extra=True)
+    probs = _check_batched(teacher_probs, "teacher_probs", batch, "hidden", extra=True)
+    if tuple(teacher_probs.shape) != tuple(teacher_ids.shape):
+        raise ValueError(f"teacher_probs: expected shape {tuple(teacher_ids.shape)} like "
+                         f"teacher_ids, got {tuple(teacher_probs.shape)}")
+    if probs is not None:
+        probs = probs.detach().to(_compute_dtype(hidden.dtype))
+    y = _check_batched(labels, "labels", batch, "hidden")
+    mask = _check_batched(token_mask, "token_mask", batch, "hidden")
+    return _loss(None, x, weight, bias, y, ids, probs, mask, opts, batch)
+
+
+# ---- Modules ---------------------------------------------------------------------------------
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """loss = LinearCrossEntropyLoss()(hidden, lm_head.weight, labels[, bias]): the fused head
+    and cross-entropy, for use in place of F.cross_entropy(lm_head(hidden), labels)."""
+
+    def __init__(self, *, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, z_loss: float = 0.0,
+                 softcap: Optional[float] = None, temperature: float = 1.0):
+        super().__init__()
+        _api.loss_options(reduction=reduction, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                          temperature=temperature, normalizer=None)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.temperature = temperature
+
+    def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor,
+                bias: Optional[Tensor] = None, normalizer: Optional[float] = None) -> Tensor:
+        return linear_cross_entropy(hidden, weight, labels, bias=bias,
+                                    ignore_index=self.ignore_index, reduction=self.reduction,
+                                    label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                                    softcap=self.softcap, temperature=self.temperature,
+                                    normalizer=normalizer)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
+                f"softcap={self.softcap}, temperature={self.temperature}")
+
+
+class LinearDistillLoss(torch.nn.Module):
+    """loss = LinearDistillLoss(ce_weight=0.5, kd_weight=0.5)(hidden, lm_head.weight, teacher_ids,
+    teacher_probs, labels=labels): top-k distillation mixed with cross-entropy, in one pass."""
+
+    def __init__(self, *, ce_weight: float = 0.0, kd_weight: float = 1.0,
+                 ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                 softcap: Optional[float] = None, temperature: float = 1.0,
+                 reduction: str = "mean"):
+        super().__init__()
+        _api.loss_options(reduction=reduction, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                          temperature=temperature, normalizer=None, ce_weight=ce_weight,
+                          kd_weight=kd_weight)
+        self.ce_weight = ce_weight
+        self.kd_weight = kd_weight
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.temperature = temperature
+        self.reduction = reduction
+
+    def forward(self, hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_probs: Tensor,
+                labels: Optional[Tensor] = None, token_mask: Optional[Tensor] = None,
+                bias: Optional[Tensor] = None, normalizer: Optional[float] = None) -> Tensor:
+        return linear_distill(hidden, weight, teacher_ids, teacher_probs, bias=bias,
+                              labels=labels, token_mask=token_mask, ce_weight=self.ce_weight,
+                              kd_weight=self.kd_weight, ignore_index=self.ignore_index,
+                              label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                              softcap=self.softcap, temperature=self.temperature,
+                              reduction=self.reduction, normalizer=normalizer)
+
+    def extra_repr(self) -> str:
+        return (f"ce_weight={self.ce_weight}, kd_weight={self.kd_weight}, "
+                f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"temperature={self.temperature}, softcap={self.softcap}")

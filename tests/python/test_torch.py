@@ -1,0 +1,333 @@
+"""The PyTorch layer: gradcheck in float64 on the CPU, torch.compile(fullgraph=True), a training
+step against the naive loss, and on a CUDA device bf16 parity on large shapes, PyTorch's stream
+and allocator, and no host sync. Skipped, with the reason, where PyTorch or CUDA is absent."""
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+
+import torch.nn.functional as F  # noqa: E402
+
+import lmloss  # noqa: E402
+import lmloss.torch as lt  # noqa: E402
+from numpy_reference import TOLERANCE, rel_err  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and lmloss.backend_available("cuda")),
+    reason="needs a CUDA device and an lmloss built with CUDA",
+)
+REDUCTIONS = ["mean", "sum", "none"]
+
+
+def err(out, ref) -> float:
+    return rel_err(out.detach().double().cpu().numpy(), ref.detach().double().cpu().numpy())
+
+
+def assert_close(out, ref, dtype, what):
+    e = err(out, ref)
+    assert e <= TOLERANCE[dtype], f"{what}: relative error {e:.3g} > {TOLERANCE[dtype]:g}"
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def linear_inputs(n=6, h=5, v=11, dtype=torch.float64, device="cpu", seed=0, batch=(2, 3)):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*batch, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) / h ** 0.5 * 2
+    b = torch.randn(v, generator=g, dtype=torch.float64) * 0.3
+    y = torch.randint(0, v, batch, generator=g)
+    y.view(-1)[1] = -100
+    cast = dict(dtype=dtype, device=device)
+    return leaf(x.to(**cast)), leaf(w.to(**cast)), leaf(b.to(**cast)), y.to(device)
+
+
+def naive_loss(x, w, b, y, reduction="mean", **_):
+    z = x @ w.T + (0 if b is None else b)
+    loss = F.cross_entropy(z.reshape(-1, z.shape[-1]).float(), y.reshape(-1), reduction=reduction)
+    return loss.reshape(y.shape) if reduction == "none" else loss
+
+
+# ---- gradcheck -------------------------------------------------------------------------------
+
+OPTIONS = {
+    "plain": {},
+    "all": dict(label_smoothing=0.1, z_loss=1e-2, softcap=3.0, temperature=1.5, normalizer=7.0),
+}
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_gradcheck_linear_cross_entropy(reduction, option):
+    x, w, b, y = linear_inputs()
+    opts = OPTIONS[option]
+
+    def f(x, w, b):
+        return lt.linear_cross_entropy(x, w, y, bias=b, reduction=reduction, **opts)
+
+    assert torch.autograd.gradcheck(f, (x, w, b))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_gradcheck_cross_entropy(reduction):
+    x, w, b, y = linear_inputs()
+    z = leaf(x @ w.T)
+
+    def f(z):
+        return lt.cross_entropy(z, y, reduction=reduction, label_smoothing=0.2, softcap=4.0)
+
+    assert torch.autograd.gradcheck(f, (z,))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_gradcheck_linear_distill(reduction):
+    x, w, b, y = linear_inputs()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(11, generator=g)[:4] for _ in range(6)]).reshape(2, 3, 4)
+    p = torch.rand(2, 3, 4, generator=g, dtype=torch.float64) + 0.1
+    p = p / p.sum(-1, keepdim=True)
+    mask = torch.tensor([[True, False, True], [True, True, False]])
+
+    def f(x, w, b):
+        return lt.linear_distill(x, w, ids, p, bias=b, labels=y, token_mask=mask, ce_weight=0.4,
+                                 kd_weight=0.8, temperature=1.7, reduction=reduction)
+
+    assert torch.autograd.gradcheck(f, (x, w, b))
+
+
+# ---- Semantics -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_matches_naive_and_honours_upstream_gradient(reduction):
+    x, w, b, y = linear_inputs(dtype=torch.float64)
+    loss = lt.linear_cross_entropy(x, w, y, bias=b, reduction=reduction)
+    ref = naive_loss(x.double(), w.double(), b.double(), y, reduction)
+    assert loss.shape == ref.shape
+    assert_close(loss, ref, "float32", "loss")  # the naive loss ran in float32
+    g = torch.randn_like(loss) if reduction == "none" else torch.tensor(0.37, dtype=loss.dtype)
+    got = torch.autograd.grad(loss, (x, w, b), g)
+    want = torch.autograd.grad(ref, (x, w, b), g.to(ref.dtype))
+    for name, a, r in zip(("hidden", "weight", "bias"), got, want):
+        assert a.dtype == torch.float64
+        assert_close(a, r, "float32", name)
+
+
+def test_gradients_only_where_wanted():
+    x, w, b, y = linear_inputs()
+    w.requires_grad_(False)
+    loss = lt.linear_cross_entropy(x, w, y, bias=b)
+    loss.backward()
+    assert x.grad is not None and b.grad is not None and w.grad is None
+    with torch.no_grad():
+        assert lt.linear_cross_entropy(x, w, y).grad_fn is None
+
+
+def test_plain_api_on_torch_tensors_returns_torch_tensors():
+    x, w, b, y = linear_inputs(dtype=torch.float32)
+    r = lmloss.linear_cross_entropy(x, w, y, bias=b, reduction="none", grad=True)
+    assert isinstance(r.loss, torch.Tensor) and r.loss.shape == y.shape
+    assert isinstance(r.grad_weight, torch.Tensor) and r.grad_weight.dtype == torch.float32
+    mean = lmloss.linear_cross_entropy(x, w, y, bias=b)
+    assert isinstance(mean.loss, float)
+    assert abs(mean.loss - lt.linear_cross_entropy(x, w, y, bias=b).item()) < 1e-5
+
+
+def test_modules():
+    x, w, b, y = linear_inputs()
+    module = lt.LinearCrossEntropyLoss(reduction="sum", label_smoothing=0.1)
+    assert torch.equal(module(x, w, y, b),
+                       lt.linear_cross_entropy(x, w, y, bias=b, reduction="sum",
+                                               label_smoothing=0.1))
+    ids = torch.randint(0, 11, (2, 3, 2))
+    p = torch.full((2, 3, 2), 0.5, dtype=torch.float32)  # cast to the compute dtype inside
+    kd = lt.LinearDistillLoss(ce_weight=0.5, kd_weight=0.5)
+    assert torch.equal(kd(x, w, ids, p, labels=y),
+                       lt.linear_distill(x, w, ids, p.double(), labels=y, ce_weight=0.5,
+                                         kd_weight=0.5))
+    assert "label_smoothing=0.1" in repr(module)
+
+
+def test_bad_arguments_name_the_argument():
+    x, w, b, y = linear_inputs()
+    bad = y.clone()
+    bad[0, 0] = 99
+    with pytest.raises(ValueError, match="^labels:"):
+        lt.linear_cross_entropy(x, w, bad)
+    with pytest.raises(ValueError, match="^labels:"):
+        lt.linear_cross_entropy(x, w, y[:1])
+    with pytest.raises(ValueError, match="^reduction:"):
+        lt.LinearCrossEntropyLoss(reduction="avg")
+    with pytest.raises(TypeError, match="^weight:"):
+        lt.linear_cross_entropy(x, w.float(), y)
+
+
+# ---- torch.compile ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compile_fullgraph(reduction):
+    x, w, b, y = linear_inputs(dtype=torch.float32)
+    torch._dynamo.reset()
+
+    def step(x, w, b, y):
+        loss = lt.linear_cross_entropy(x, w, y, bias=b, reduction=reduction, z_loss=1e-3)
+        return loss.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, w, b, y)
+    grads = torch.autograd.grad(loss, (x, w, b))
+    x2, w2, b2 = leaf(x), leaf(w), leaf(b)
+    ref = step(x2, w2, b2, y)
+    ref_grads = torch.autograd.grad(ref, (x2, w2, b2))
+    assert_close(loss, ref, "float32", "loss")
+    for a, r in zip(grads, ref_grads):
+        assert_close(a, r, "float32", "gradient")
+
+
+# ---- A training step -------------------------------------------------------------------------
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab, hidden):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def hidden(self, tokens):
+        return torch.tanh(self.mix(self.embed(tokens)))
+
+
+def training_step(model, tokens, labels, fused):
+    model.zero_grad()
+    h = model.hidden(tokens)
+    if fused:
+        loss = lt.LinearCrossEntropyLoss()(h, model.head.weight, labels)
+    else:
+        logits = model.head(h)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def check_training_step(device, dtype, vocab, hidden, batch, seq, tolerance):
+    torch.manual_seed(0)
+    model = TinyLM(vocab, hidden).to(device=device, dtype=dtype)
+    tokens = torch.randint(0, vocab, (batch, seq), device=device)
+    labels = torch.roll(tokens, -1, dims=1)
+    labels[:, -1] = -100
+    loss, grads = training_step(model, tokens, labels, fused=True)
+    ref_loss, ref_grads = training_step(model, tokens, labels, fused=False)
+    assert_close(loss, ref_loss, tolerance, "loss")
+    for name in grads:
+        assert grads[name].dtype == dtype
+        assert_close(grads[name], ref_grads[name], tolerance, name)
+
+
+def test_training_step_cpu():
+    check_training_step("cpu", torch.float64, vocab=97, hidden=16, batch=3, seq=10,
+                        tolerance="float64")
+
+
+@needs_cuda
+def test_training_step_cuda_bf16():
+    check_training_step("cuda", torch.bfloat16, vocab=32000, hidden=512, batch=4, seq=256,
+                        tolerance="bfloat16")
+
+
+# ---- CUDA ------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(8192, 2048, 128256), (4096, 2304, 256000)])
+def test_bf16_parity_large(shape):
+    n, h, v = shape
+    torch.manual_seed(0)
+    x = torch.randn(n, h, device="cuda").bfloat16().requires_grad_(True)
+    w = (torch.randn(v, h, device="cuda") / h ** 0.5 * 2).bfloat16().requires_grad_(True)
+    y = torch.randint(0, v, (n,), device="cuda")
+    y[::7] = -100
+    loss = lt.linear_cross_entropy(x, w, y)
+    dx, dw = torch.autograd.grad(loss, (x, w))
+    # The reference: the same bf16 inputs, in float32.
+    x32, w32 = leaf(x.float()), leaf(w.float())
+    ref = F.cross_entropy(x32 @ w32.T, y)
+    rdx, rdw = torch.autograd.grad(ref, (x32, w32))
+    del x32, w32
+    # The naive loss in bf16, for scale.
+    xb, wb = leaf(x), leaf(w)
+    naive = F.cross_entropy(xb @ wb.T, y)
+    ndx, ndw = torch.autograd.grad(naive, (xb, wb))
+    for what, ours, bf16, r in (("loss", loss, naive, ref), ("grad_hidden", dx, ndx, rdx),
+                                ("grad_weight", dw, ndw, rdw)):
+        e, e_naive = err(ours, r), err(bf16, r)
+        print(f"{shape} {what}: lmloss {e:.3g}, naive bf16 {e_naive:.3g}")
+        assert e <= TOLERANCE["bfloat16"], f"{what}: {e:.3g} (naive bf16 {e_naive:.3g})"
+
+
+@needs_cuda
+def test_cuda_runs_on_the_current_stream_without_host_sync():
+    x, w, b, y = linear_inputs(dtype=torch.float32, device="cuda", batch=(64, 32), v=5000, h=64)
+    expected = lt.linear_cross_entropy(x, w, y, bias=b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda.set_sync_debug_mode("error")  # any host sync PyTorch sees raises
+        try:
+            late = torch.empty_like(x)
+            torch.cuda._sleep(50_000_000)
+            with torch.no_grad():
+                late.copy_(x)  # ready only on this stream, after the sleep
+            late.requires_grad_(True)
+            loss = lt.linear_cross_entropy(late, w, y, bias=b)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.current_stream().wait_stream(side)
+    assert loss.device.type == "cuda"
+    assert_close(loss, expected, "float32", "loss on a side stream")
+    lmloss.synchronize()
+
+
+@needs_cuda
+def test_cuda_workspace_comes_from_torch_allocator():
+    x, w, b, y = linear_inputs(dtype=torch.float32, device="cuda", batch=(256, 16), v=50257, h=128)
+    seen = {}
+
+    def run():  # a fresh thread: a fresh lmloss context, so nothing is cached yet
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lmloss.reset_peak_workspace(0)
+        with torch.no_grad():
+            lt.linear_cross_entropy(x, w, y, bias=b)
+        torch.cuda.synchronize()
+        seen["torch_peak"] = torch.cuda.max_memory_allocated() - base
+        seen["workspace"] = lmloss.peak_workspace(0)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen["workspace"] > 0
+    assert seen["torch_peak"] >= seen["workspace"], seen
+
+
+@needs_cuda
+def test_cuda_compile_inductor_and_bad_label_flag():
+    x, w, b, y = linear_inputs(dtype=torch.bfloat16, device="cuda", batch=(8, 128), v=4096, h=256)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, y: lt.linear_cross_entropy(x, w, y), fullgraph=True)
+    loss = compiled(x, w, y)
+    loss.backward()
+    assert_close(loss, naive_loss(x, w, None, y), "bfloat16", "compiled loss")
+    bad = y.clone()
+    bad[0, 0] = 4096 + 3
+    with torch.no_grad():
+        lt.linear_cross_entropy(x, w, bad)  # queued: the device finds the id, no sync here
+    with pytest.raises(ValueError):
+        lmloss.synchronize()
+    lmloss.synchronize()  # the flag was cleared by the report
