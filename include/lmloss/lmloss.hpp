@@ -3,14 +3,16 @@
 //
 //   lmloss::Context ctx;
 //   float loss;
-//   lmloss::linear_cross_entropy(ctx, {hidden, weight}, labels, lmloss::LossOptions{},
-//                                lmloss::Tensor::scalar(&loss), {}, {.grad_hidden = dh});
+//   lmloss::linear_cross_entropy(ctx, {Tensor::matrix(x, n_tokens, hidden), Tensor::matrix(w, vocab, hidden)},
+//                                Tensor::vector(labels, n_tokens), lmloss::LossOptions{},
+//                                Tensor::scalar(&loss), Tensor{}, {.grad_hidden = Tensor::matrix(dx, n_tokens, hidden)});
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "lmloss/lmloss.h"
@@ -59,12 +61,17 @@ struct Tensor : lmloss_tensor {
   template <typename T> static Tensor scalar(T* data) {
     return scalar(static_cast<void*>(data), dtype_of<T>::value);
   }
-  template <typename T> static Tensor vector(T* data, int64_t n) {
-    return vector(static_cast<void*>(data), dtype_of<T>::value, n);
+  // (The size is a template parameter so that an lmloss_dtype, an enum, never binds to it: a
+  // uint8_t* with a dtype is the untyped overload above.)
+  template <typename T, typename Size>
+    requires std::is_integral_v<Size>
+  static Tensor vector(T* data, Size n) {
+    return vector(static_cast<void*>(data), dtype_of<T>::value, int64_t(n));
   }
-  template <typename T>
-  static Tensor matrix(T* data, int64_t rows, int64_t cols, int64_t row_stride = 0) {
-    return matrix(static_cast<void*>(data), dtype_of<T>::value, rows, cols, row_stride);
+  template <typename T, typename Size>
+    requires std::is_integral_v<Size>
+  static Tensor matrix(T* data, Size rows, int64_t cols, int64_t row_stride = 0) {
+    return matrix(static_cast<void*>(data), dtype_of<T>::value, int64_t(rows), cols, row_stride);
   }
   // The same view, on a CUDA device.
   Tensor on_cuda(int32_t index = 0) const {

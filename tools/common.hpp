@@ -1,0 +1,106 @@
+// What the `lmloss` subcommands share: dtype names and conversions for the storage types, a
+// seeded generator, buffers that live on the CPU or on a CUDA device, and a wall clock.
+#pragma once
+
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "lmloss/lmloss.h"
+
+namespace lmloss::tools {
+
+// ---- dtypes --------------------------------------------------------------------------------
+
+const char* dtype_name(lmloss_dtype dtype);
+std::optional<lmloss_dtype> parse_dtype(const std::string& name);
+size_t dtype_size(lmloss_dtype dtype);
+// f32, or f64 for f64 inputs: the dtype of losses, lse and teacher probabilities.
+inline lmloss_dtype compute_dtype(lmloss_dtype input) {
+  return input == LMLOSS_F64 ? LMLOSS_F64 : LMLOSS_F32;
+}
+
+// bf16: the upper half of an f32, rounded to nearest even.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u = std::bit_cast<uint32_t>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float bf16_to_float(uint16_t b) { return std::bit_cast<float>(uint32_t{b} << 16); }
+
+// IEEE binary16, rounded to nearest even, with subnormals.
+uint16_t float_to_f16(float f);
+float f16_to_float(uint16_t h);
+
+// Values in double <-> storage bytes of `dtype` (a float dtype or an integer one).
+void encode(lmloss_dtype dtype, const double* values, int64_t n, void* out);
+void decode(lmloss_dtype dtype, const void* in, int64_t n, double* values);
+// The value `x` takes once stored as `dtype`.
+double round_to(lmloss_dtype dtype, double x);
+
+// ---- random data ---------------------------------------------------------------------------
+
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : engine_(seed) {}
+  double normal(double stddev = 1.0) {
+    return std::normal_distribution<double>(0.0, stddev)(engine_);
+  }
+  double uniform(double lo, double hi) {
+    return std::uniform_real_distribution<double>(lo, hi)(engine_);
+  }
+  int64_t index(int64_t n) { return std::uniform_int_distribution<int64_t>(0, n - 1)(engine_); }
+  // `k` distinct ids in [0, n), in random order.
+  std::vector<int64_t> distinct(int64_t k, int64_t n);
+
+ private:
+  std::mt19937_64 engine_;
+};
+
+// ---- memory on either side -----------------------------------------------------------------
+
+// Why the CUDA side cannot be used here, or "" when it can: the build, the library and a device.
+std::string cuda_unavailable_reason();
+
+// Bytes on the CPU or on CUDA device 0. Copies block: the tool times around them, never through.
+class Buffer {
+ public:
+  Buffer(lmloss_device_type device, size_t bytes);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  lmloss_device_type device() const { return device_; }
+  void upload(const void* host, size_t bytes, size_t offset = 0);
+  void download(void* host, size_t bytes, size_t offset = 0) const;
+
+ private:
+  lmloss_device_type device_;
+  size_t bytes_;
+  void* data_ = nullptr;
+};
+
+// Waits for every queued CUDA operation (a no-op without CUDA).
+void device_synchronize();
+
+// ---- time ----------------------------------------------------------------------------------
+
+inline double now_ms() {
+  return std::chrono::duration<double, std::milli>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+double median(std::vector<double> values);
+
+}  // namespace lmloss::tools
