@@ -26,6 +26,8 @@
 #include "core/dtype.hpp"
 #include "core/row_math.hpp"
 #include "cpu/blas.hpp"
+#include "cpu/row_loops.hpp"
+#include "cpu/vector_exp.hpp"
 
 namespace lmloss::cpu {
 namespace {
@@ -362,9 +364,8 @@ class LossRunner {
       C max_s = -std::numeric_limits<C>::infinity();
       for (int64_t j = 0; j < vocab; ++j) max_s = z[j] > max_s ? z[j] : max_s;  // NaN passes to the sum
       if (std::isinf(max_s)) max_s = 0;  // all -inf (or +inf) rows: keep the arithmetic defined
-      Accumulator sum_exp = 0;  // tens of thousands of terms: f32 sums drift past 1e-5
-      for (int64_t j = 0; j < vocab; ++j) sum_exp += Accumulator(std::exp(z[j] - max_s));
-      lse = C(Accumulator(max_s) + std::log(sum_exp));
+      // Summed in double: tens of thousands of f32 terms drift past the f32 tolerance.
+      lse = C(Accumulator(max_s) + std::log(sum_exp(z, vocab, max_s)));
       if (call.lse.data) static_cast<C*>(call.lse.data)[t * core::row_stride(call.lse)] = lse;
     }
 
@@ -398,13 +399,13 @@ class LossRunner {
       // The dense part chained to z, then the sparse corrections at their saved s.
       for (int64_t j = 0; j < vocab; ++j) {
         const C s = z[j];
-        z[j] = (p_coef * std::exp(s - lse) + offset) * scale_.derivative(s);
+        z[j] = (p_coef * vector_exp(s - lse) + offset) * scale_.derivative(s);
       }
       if (label >= 0) z[label] += weights_.label_correction(upstream) * scale_.derivative(s_label);
       for (int64_t i = 0; i < k; ++i)
         z[teacher_id(call, t, i)] += weights_.teacher_correction(upstream, teacher_prob<C>(call, t, i)) * scale_.derivative(saved[i]);
     } else {
-      for (int64_t j = 0; j < vocab; ++j) z[j] = p_coef * std::exp(z[j] - lse) + offset;
+      dense_grad(z, vocab, lse, p_coef, offset);
       if (label >= 0) z[label] += weights_.label_correction(upstream);
       for (int64_t i = 0; i < k; ++i) z[teacher_id(call, t, i)] += weights_.teacher_correction(upstream, teacher_prob<C>(call, t, i));
     }
