@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# One command for a machine with an NVIDIA GPU: the GPU tests against the float64 reference,
+# compute-sanitizer memcheck and racecheck on a small case, the CUDA benchmark at the issue's
+# presets, and the peers (PyTorch, torch.compile, Liger Kernel, Cut Cross-Entropy); a short table
+# last. Logs and JSON go to $OUT (default: gpu-check-out/).
+#
+#   scripts/gpu_check.sh [--build DIR] [--stages tests,sanitizer,bench,curve,peers] [--quick]
+#
+# The build folder (default build-cuda) is used as it is when it holds the binaries (a build made
+# on another machine), else configured and built here. Python peers come from wheels in .whl/ when
+# present (installed to a private folder), else from what python3 already has.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+BUILD=build-cuda
+STAGES=tests,sanitizer,bench,curve,peers
+QUICK=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --build) BUILD=$2; shift 2 ;;
+    --stages) STAGES=$2; shift 2 ;;
+    --quick) QUICK=1; shift ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+OUT=${OUT:-$ROOT/gpu-check-out}
+mkdir -p "$OUT"
+has_stage() { [[ ",$STAGES," == *",$1,"* ]]; }
+SUMMARY=$OUT/summary.txt
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader || {
+  echo "no GPU here"; exit 1; }
+
+# Binaries built elsewhere carry absolute paths of the build machine (rpaths, CTest files): give
+# them their libraries through the loader path instead. extra-lib/ holds host libraries the build
+# needs that this machine may lack (OpenBLAS and its Fortran runtime).
+if [ ! -x "$BUILD/tests/test_cuda" ] || [ ! -f "$BUILD/src/liblmloss.so" ]; then
+  echo "== building $BUILD"
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="90a-real;80-virtual" > "$OUT/build.log" 2>&1 &&
+    cmake --build "$BUILD" --parallel >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+fi
+# The modes benchmark is the bench source built as a program of its own.
+if [ ! -x "$BUILD/tools/bench_cuda_modes" ] && command -v nvcc > /dev/null; then
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DLMLOSS_BENCH_CUDA_MAIN -Iinclude \
+    tools/bench_cuda.cu -o "$BUILD/tools/bench_cuda_modes" -L"$BUILD/src" -llmloss -lcublasLt \
+    -Xlinker -rpath -Xlinker '$ORIGIN/../src' >> "$OUT/build.log" 2>&1
+fi
+CUDA_LIBS=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
+         $(python3 -c 'import nvidia, os; p = os.path.dirname(nvidia.__path__[0]); import glob; print(" ".join(glob.glob(p + "/nvidia/*/lib") + glob.glob(p + "/nvidia/cu*/lib")))' 2>/dev/null); do
+  [ -d "$d" ] && CUDA_LIBS="$CUDA_LIBS:$d"
+done
+export LMLOSS_LD="$ROOT/$BUILD/src:$ROOT/$BUILD/extra-lib$CUDA_LIBS"
+run() { LD_LIBRARY_PATH="$LMLOSS_LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$@"; }
+
+FAILED=0
+if has_stage tests; then
+  echo "== tests (the CUDA instances of every suite, then the GPU-only suite)"
+  for t in "$BUILD"/tests/test_*; do
+    [ -x "$t" ] || continue
+    name=$(basename "$t")
+    filter='*cuda*:*Cuda*'
+    [ "$name" = test_cuda ] && filter='*'
+    run timeout 400 "$t" --gtest_filter="$filter" --gtest_brief=1 > "$OUT/$name.log" 2>&1
+    rc=$?
+    passed=$(grep -c '^\[       OK \]' "$OUT/$name.log" || true)
+    summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$OUT/$name.log" | tr '\n' ' ')
+    note "tests   $name rc=$rc $summary"
+    [ $rc -ne 0 ] && { FAILED=1; grep -E 'Failure|error|FAILED' "$OUT/$name.log" | head -20; }
+  done
+  if [ -x "$BUILD/tools/lmloss" ]; then
+    run "$BUILD/tools/lmloss" check --backend cuda > "$OUT/check.log" 2>&1
+    note "check   lmloss check --backend cuda rc=$? $(tail -1 "$OUT/check.log")"
+  fi
+fi
+
+if has_stage sanitizer; then
+  echo "== compute-sanitizer (small cases)"
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck racecheck; do
+    filter='Cuda.RunsAreBitwiseIdentical:Cuda.IdOutOfRange*:Cuda.TopkLargeKAndTiedRows'
+    [ $tool = racecheck ] && filter='Cuda.RunsAreBitwiseIdentical'
+    run timeout 240 "$SAN" --tool $tool --error-exitcode 9 "$BUILD/tests/test_cuda" --gtest_filter="$filter" \
+      > "$OUT/sanitizer_$tool.log" 2>&1
+    rc=$?
+    note "sanit.  $tool rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
+    [ $rc -ne 0 ] && FAILED=1
+  done
+fi
+
+REPEATS=10
+[ $QUICK = 1 ] && REPEATS=3
+if has_stage bench; then
+  echo "== bench: every mode at the presets"
+  for spec in "llama3-8b 8192" "llama3-8b 32768" "gemma2-2b 8192"; do
+    set -- $spec
+    modes=fwd_bwd,dx_only,forward,topk64,topk2048,distill64
+    [ $QUICK = 1 ] && [ "$2" = 32768 ] && modes=fwd_bwd
+    run "$BUILD/tools/bench_cuda_modes" --preset "$1" --tokens "$2" --modes "$modes" --repeats $REPEATS \
+      --json "$OUT/modes_$1_$2.json" 2>&1 | tee "$OUT/modes_$1_$2.log"
+  done
+  run "$BUILD/tools/lmloss" bench --backend cuda --preset llama3-8b --dtype bf16 --repeats 5 \
+    --json "$OUT/lmloss_bench.json" > "$OUT/lmloss_bench.log" 2>&1
+  note "bench   lmloss bench --backend cuda llama3-8b rc=$?"
+  tail -12 "$OUT/lmloss_bench.log"
+fi
+
+if has_stage curve; then
+  echo "== bench: time against the workspace budget (llama3-8b, N 8192)"
+  run "$BUILD/tools/bench_cuda_modes" --preset llama3-8b --modes fwd_bwd --budgets-gib 0.125,0.25,0.5,1,2,4 \
+    --repeats $REPEATS --json "$OUT/curve.json" 2>&1 | tee "$OUT/curve.log"
+fi
+
+if has_stage peers; then
+  echo "== peers"
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peers-site \
+      .whl/*.whl > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  presets=llama3-8b,gemma2-2b
+  PYTHONUNBUFFERED=1 python3 bench/peers.py --presets $presets --modes fwd_bwd,forward,distill64,topk64,topk2048,dx_only \
+    --repeats $REPEATS --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
+  if [ $QUICK = 0 ]; then
+    PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens 32768 --modes fwd_bwd \
+      --methods naive,torch.compile,cce --repeats 5 --json "$OUT/peers_32768.json" 2>&1 | tee "$OUT/peers_32768.log"
+  fi
+fi
+
+# Few files come back from some machines: one archive holds every log.
+(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz ./* 2>/dev/null)
+
+echo
+echo "== summary"
+cat "$SUMMARY"
+for f in "$OUT"/modes_*.log "$OUT"/curve.log; do [ -f "$f" ] && grep -E 'x[0-9]' "$f"; done
+[ -f "$OUT/peers.log" ] && grep -E 'x[0-9]' "$OUT/peers.log"
+exit $FAILED
