@@ -290,6 +290,10 @@ TEST_P(Edge, ChunkingChangesNothingForTopk) {
     ASSERT_EQ(c.run(big.get()), LMLOSS_SUCCESS) << lmloss_last_error();
     const std::vector<int64_t> ids = c.ids.ids();
     const std::vector<double> probs = c.probs.values(), tail = c.tail.values();
+    if (big.peak_workspace() == 0) {  // this backend selects over the given logits in place
+      expect_topk_matches_reference(c, tolerance(LMLOSS_F32));
+      continue;
+    }
     lmloss::Context small;
     small.set_workspace_budget(std::max<size_t>(big.peak_workspace() / 8, 1));
     lmloss_status status = LMLOSS_ERROR_INVALID_ARGUMENT;

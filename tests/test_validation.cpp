@@ -56,14 +56,14 @@ class Validation : public ::testing::TestWithParam<Device> {
     s.device = device();
     return LossCase(gen.problem({.n_tokens = 6, .vocab = 37, .hidden = 8, .bias = true}), o, s);
   }
-  TopkCase topk_case(int64_t k = 3) {
+  TopkCase topk_case(int64_t k = 3, int64_t hidden = 0) {
     Generator gen(403);
     lmloss_topk_options o = lmloss_topk_options_default();
     o.k = k;
     o.renormalize = 0;
     TopkSetup s;
     s.device = device();
-    return TopkCase(gen.problem({.n_tokens = 6, .vocab = 37, .labels = false}), o, s);
+    return TopkCase(gen.problem({.n_tokens = 6, .vocab = 37, .hidden = hidden, .labels = false}), o, s);
   }
 
   // The call fails with `status`, names `argument` first, and leaves every output as poisoned.
@@ -390,7 +390,9 @@ TEST_P(Validation, BudgetTooSmallForOneRow) {
   ctx.set_workspace_budget(64);
   const LossArgs a = args_of(c);
   expect_loss_rejected(c, a, "context workspace budget");
-  TopkCase t = topk_case();
+  // Through the head: a chunk of logits needs workspace on every backend (top-k over given
+  // logits may need none).
+  TopkCase t = topk_case(3, 8);
   expect_topk_rejected(t, t.options, "context workspace budget");
 }
 

@@ -62,14 +62,12 @@ struct Tensor : lmloss_tensor {
     return scalar(static_cast<void*>(data), dtype_of<T>::value);
   }
   // (The size is a template parameter so that an lmloss_dtype, an enum, never binds to it: a
-  // uint8_t* with a dtype is the untyped overload above.)
-  template <typename T, typename Size>
-    requires std::is_integral_v<Size>
+  // uint8_t* with a dtype is the untyped overload above. C++17, so CUDA sources can include it.)
+  template <typename T, typename Size, std::enable_if_t<std::is_integral_v<Size>, int> = 0>
   static Tensor vector(T* data, Size n) {
     return vector(static_cast<void*>(data), dtype_of<T>::value, int64_t(n));
   }
-  template <typename T, typename Size>
-    requires std::is_integral_v<Size>
+  template <typename T, typename Size, std::enable_if_t<std::is_integral_v<Size>, int> = 0>
   static Tensor matrix(T* data, Size rows, int64_t cols, int64_t row_stride = 0) {
     return matrix(static_cast<void*>(data), dtype_of<T>::value, int64_t(rows), cols, row_stride);
   }

@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""The peers of lmloss on one GPU, timed the way `lmloss bench` times it.
+
+For each preset and mode: naive PyTorch (F.cross_entropy(h @ W.T)), torch.compile of it, Liger
+Kernel's LigerFusedLinearCrossEntropyLoss and Cut Cross-Entropy's linear_cross_entropy (default
+gradient filtering, and exact with filter_eps=None) when they import. Each row: median time of
+CUDA events around the step (L2 flushed before every run), the peak extra device memory over the
+inputs (gradients included), and the floor: the bare torch.matmul products of the same step
+(forward; + dX; + dW) timed in the same run. Prints a table and writes JSON.
+
+  python3 bench/peers.py --presets llama3-8b,gemma2-2b --json peers.json
+"""
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+PRESETS = {
+    "small": (512, 1024, 32000),
+    "llama3-8b": (8192, 4096, 128256),
+    "gemma2-2b": (8192, 2304, 256000),
+}
+# mode -> (needs dX, needs dW, products in the floor)
+MODES = {
+    "fwd_bwd": (True, True, 3),
+    "dx_only": (True, False, 2),
+    "forward": (False, False, 1),
+    "distill64": (True, True, 3),
+    "topk64": (False, False, 1),
+    "topk2048": (False, False, 1),
+}
+
+_flush = None
+
+
+def flush_l2():
+    global _flush
+    if _flush is None:
+        _flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    _flush.zero_()
+
+
+def timed(fn, repeats):
+    """Median ms and peak extra bytes of fn() over `repeats` runs after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times, peak = [], 0
+    for _ in range(repeats):
+        getattr(fn, "reset", lambda: None)()  # the last run's gradients are not the baseline
+        flush_l2()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+        peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        del out
+    times.sort()
+    return times[len(times) // 2], peak
+
+
+def make_inputs(n, h, v, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, h, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(v, h, device="cuda", dtype=dtype, generator=g) * (2.0 / math.sqrt(h))
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    base = torch.randint(0, v, (n, 1), device="cuda", generator=g)
+    ids = (base + 7919 * torch.arange(64, device="cuda")) % v  # distinct per row
+    p = torch.rand(n, 64, device="cuda", generator=g) + 1e-3
+    p = p / p.sum(1, keepdim=True)
+    return x, w, y, ids, p
+
+
+def naive_ce(x, w, y):
+    return F.cross_entropy((x @ w.T).float(), y)
+
+
+def naive_distill(x, w, ids, p):
+    logp = torch.log_softmax((x @ w.T).float(), dim=-1)
+    return (p * (torch.log(p) - logp.gather(1, ids))).sum(1).mean()
+
+
+def step(loss_fn, x, w, want_dx, want_dw):
+    """A closure: the loss and the gradients the mode asks for (none: no autograd)."""
+    if not (want_dx or want_dw):
+        def run():
+            with torch.no_grad():
+                return loss_fn(x, w)
+        return run
+    xg = x.detach().requires_grad_(want_dx)
+    wg = w.detach().requires_grad_(want_dw)
+
+    def reset():
+        xg.grad = None
+        wg.grad = None
+
+    def run():
+        reset()
+        loss = loss_fn(xg, wg)
+        loss.backward()
+        return loss, xg.grad, wg.grad
+    run.reset = reset
+    return run
+
+
+def floor_fn(x, w, count):
+    def run():
+        z = x @ w.T
+        outs = [z]
+        if count >= 2:
+            outs.append(z @ w)
+        if count >= 3:
+            outs.append(z.T @ x)
+        return outs
+    return run
+
+
+def methods(mode, y, ids, p):
+    """name -> loss_fn(x, w), for the peers that import."""
+    out = {}
+    if mode.startswith("topk"):
+        k = int(mode[4:])
+        def topk(x, w):
+            values, index = torch.topk((x @ w.T).float(), k, dim=-1)
+            return torch.softmax(values, -1), index
+        out["naive"] = topk
+        return out
+    if mode == "distill64":
+        out["naive"] = lambda x, w: naive_distill(x, w, ids, p)
+        out["torch.compile"] = torch.compile(lambda x, w: naive_distill(x, w, ids, p))
+        return out
+    out["naive"] = lambda x, w: naive_ce(x, w, y)
+    out["torch.compile"] = torch.compile(lambda x, w: naive_ce(x, w, y))
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        liger = LigerFusedLinearCrossEntropyLoss()
+        out["liger"] = lambda x, w: liger(w, x, y)
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"# liger-kernel not available: {e}", file=sys.stderr)
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+        out["cce"] = lambda x, w: linear_cross_entropy(x, w, y)
+        out["cce-exact"] = lambda x, w: linear_cross_entropy(x, w, y, filter_eps=None)
+    except Exception as e:  # noqa: BLE001
+        print(f"# cut-cross-entropy not available: {e}", file=sys.stderr)
+    return out
+
+
+def relative_error(out, ref):
+    return (out.float() - ref.float()).norm().item() / max(ref.float().norm().item(), 1e-30)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default="llama3-8b,gemma2-2b")
+    ap.add_argument("--tokens", type=int, default=0, help="override N of every preset")
+    ap.add_argument("--modes", default="fwd_bwd,dx_only,forward,distill64,topk64,topk2048")
+    ap.add_argument("--methods", default="", help="comma list to keep (default: all that import)")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    dev = torch.cuda.get_device_name()
+    print(f"# {dev}, torch {torch.__version__}, bf16, median of {args.repeats}, L2 flushed, CUDA events")
+    rows = []
+    keep = set(filter(None, args.methods.split(",")))
+    for preset in args.presets.split(","):
+        n, h, v = PRESETS[preset]
+        if args.tokens:
+            n = args.tokens
+        x, w, y, ids, p = make_inputs(n, h, v, torch.bfloat16)
+        floors = {}
+        for mode in args.modes.split(","):
+            want_dx, want_dw, count = MODES[mode]
+            if count not in floors:
+                floors[count] = timed(floor_fn(x, w, count), args.repeats)[0]
+            ref_dx = None
+            for name, fn in methods(mode, y, ids, p).items():
+                if keep and name not in keep:
+                    continue
+                t0 = time.time()
+                try:
+                    run = step(fn, x, w, want_dx, want_dw)
+                    ms, peak = timed(run, args.repeats)
+                    err = None
+                    if want_dx:
+                        _, dx, _ = run()
+                        if name == "naive":
+                            ref_dx = dx.detach().clone()
+                        elif ref_dx is not None:
+                            err = relative_error(dx, ref_dx)
+                except Exception as e:  # noqa: BLE001 - a peer failing is a row, not a crash
+                    print(f"# {preset} {mode} {name}: failed: {e}", file=sys.stderr)
+                    continue
+                row = dict(preset=preset, tokens=n, hidden=h, vocab=v, mode=mode, method=name, ms=ms,
+                           floor_ms=floors[count], ratio=ms / floors[count], peak_gib=peak / 2**30,
+                           dx_rel_err_vs_naive=err, wall_s=time.time() - t0)
+                rows.append(row)
+                print(f"{preset:10s} N {n:6d} {mode:9s} {name:14s} {ms:9.3f} ms  floor {floors[count]:8.3f}"
+                      f"  x{ms / floors[count]:.3f}  peak {peak / 2**30:6.2f} GiB"
+                      + (f"  dX err vs naive {err:.2e}" if err is not None else ""), flush=True)
+                torch.cuda.empty_cache()
+        del x, w, y, ids, p
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=dev, torch=torch.__version__, repeats=args.repeats, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+// Shared pieces of the CUDA backend: status checks, storage types, loads and stores that convert
+// to float, block reductions that always combine in the same order (so results are bitwise
+// reproducible), and the per-call scalars that live on the device.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/context.hpp"
+#include "lmloss/lmloss.h"
+
+namespace lmloss::cuda {
+
+// Returns from the enclosing function with LMLOSS_ERROR_BACKEND and a message naming the call.
+#define LMLOSS_CUDA_TRY(expr)                                                                  \
+  do {                                                                                         \
+    const cudaError_t lmloss_err_ = (expr);                                                    \
+    if (lmloss_err_ != cudaSuccess) {                                                          \
+      return ::lmloss::core::fail(LMLOSS_ERROR_BACKEND, std::string(#expr) + ": " +            \
+                                                            cudaGetErrorString(lmloss_err_)); \
+    }                                                                                          \
+  } while (0)
+
+// After a launch: a launch error (bad configuration, missing kernel image) becomes a status.
+#define LMLOSS_CUDA_LAUNCHED(name)                                                             \
+  do {                                                                                         \
+    const cudaError_t lmloss_err_ = cudaGetLastError();                                        \
+    if (lmloss_err_ != cudaSuccess) {                                                          \
+      return ::lmloss::core::fail(LMLOSS_ERROR_BACKEND, std::string("launching " name ": ") + \
+                                                            cudaGetErrorString(lmloss_err_)); \
+    }                                                                                          \
+  } while (0)
+
+// Values the kernels of one call compute on the device and share (never read by the host).
+struct CallScalars {
+  float inv_denominator;  // 1 / D for mean, 1 for sum and none
+  float upstream;         // the scalar upstream gradient (1 when absent)
+  float grad_scale;       // S: f16 gradients are stored times S (a power of two), else 1
+  float inv_grad_scale;   // 1 / S: alpha of the backward products
+  float zero;             // beta constants for the products (device pointer mode)
+  float one;
+  long long counted;      // D before the normalizer
+};
+
+// ---- storage types -------------------------------------------------------------------------
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// Reads element i of an id tensor of dtype i32 or i64.
+__device__ __forceinline__ int64_t load_id(const void* base, lmloss_dtype dtype, int64_t i) {
+  return dtype == LMLOSS_I64 ? static_cast<const int64_t*>(base)[i]
+                             : static_cast<int64_t>(static_cast<const int32_t*>(base)[i]);
+}
+
+// Reads element i of an optional float tensor of dtype f32/f16/bf16 (the bias).
+__device__ __forceinline__ float load_float(const void* base, lmloss_dtype dtype, int64_t i) {
+  switch (dtype) {
+    case LMLOSS_F16: return __half2float(static_cast<const __half*>(base)[i]);
+    case LMLOSS_BF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+// ---- vectorised row access -----------------------------------------------------------------
+
+// 16 bytes of T at a time: 4 floats or 8 halves.
+template <typename T> struct Vec {
+  static constexpr int size = 16 / sizeof(T);
+  alignas(16) T v[size];
+};
+
+// Calls f(j, value) for every j in [0, n) of row `row`, each thread a strided share, with 16-byte
+// loads over the aligned middle of the row and scalar loads at its ragged ends.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_in_row(const T* row, int64_t n, F&& f) {
+  constexpr int width = Vec<T>::size;
+  const uintptr_t address = reinterpret_cast<uintptr_t>(row);
+  int64_t head = static_cast<int64_t>(((16 - (address & 15)) & 15) / sizeof(T));
+  if ((address % sizeof(T)) != 0) head = n;  // unaligned element pointer: scalar only
+  if (head > n) head = n;
+  const int64_t body = (n - head) / width;
+  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) f(j, to_float(row[j]));
+  const Vec<T>* vectors = reinterpret_cast<const Vec<T>*>(row + head);
+  for (int64_t i = threadIdx.x; i < body; i += blockDim.x) {
+    const Vec<T> chunk = vectors[i];
+#pragma unroll
+    for (int e = 0; e < width; ++e) f(head + i * width + e, to_float(chunk.v[e]));
+  }
+  for (int64_t j = head + body * width + threadIdx.x; j < n; j += blockDim.x) f(j, to_float(row[j]));
+}
+
+// ---- deterministic block reductions ----------------------------------------------------------
+// A fixed shuffle tree inside each warp, then warp 0 over the warp results: the same inputs
+// combine in the same order on every run. `scratch` holds 32 entries; the result reaches every
+// thread. Callers put a __syncthreads() between two reductions that share scratch.
+
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, Op op, T identity, T* scratch) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = (blockDim.x + 31) >> 5;
+  v = warp_reduce(v, op);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  T r = lane < warps ? scratch[lane] : identity;
+  r = warp_reduce(r, op);
+  __syncthreads();  // scratch may be reused right after
+  return r;
+}
+
+struct Sum {
+  template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct Max {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// Online (max, sum of exp(x - max)) pairs, merged.
+struct MaxSum {
+  float max;
+  float sum;
+};
+__device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.max, b.max);
+  if (m == -INFINITY) return {m, 0.f};
+  return {m, a.sum * expf(a.max - m) + b.sum * expf(b.max - m)};
+}
+
+__device__ __forceinline__ MaxSum block_reduce_maxsum(MaxSum v, float2* scratch) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    MaxSum other{__shfl_xor_sync(0xffffffffu, v.max, offset), __shfl_xor_sync(0xffffffffu, v.sum, offset)};
+    v = merge(v, other);
+  }
+  if (lane == 0) scratch[warp] = make_float2(v.max, v.sum);
+  __syncthreads();
+  MaxSum r = lane < warps ? MaxSum{scratch[lane].x, scratch[lane].y} : MaxSum{-INFINITY, 0.f};
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    MaxSum other{__shfl_xor_sync(0xffffffffu, r.max, offset), __shfl_xor_sync(0xffffffffu, r.sum, offset)};
+    r = merge(r, other);
+  }
+  // merge(a, b) and merge(b, a) may round differently (a fused multiply-add takes one product
+  // unrounded), so the lanes of a butterfly can disagree in the last bit: every thread takes
+  // lane 0's result, the value a saved lse holds too.
+  r.max = __shfl_sync(0xffffffffu, r.max, 0);
+  r.sum = __shfl_sync(0xffffffffu, r.sum, 0);
+  __syncthreads();
+  return r;
+}
+
+// Blocks for a grid over `rows` rows, each block looping over rows when there are more rows than
+// a grid may hold.
+inline unsigned int row_grid(int64_t rows) {
+  constexpr int64_t limit = 1ll << 30;
+  return static_cast<unsigned int>(rows < limit ? (rows > 0 ? rows : 1) : limit);
+}
+
+}  // namespace lmloss::cuda

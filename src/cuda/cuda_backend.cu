@@ -1,0 +1,614 @@
+// The CUDA backend: planning (chunk rows from the workspace budget), workspace, and the
+// pipelines that chain the products and row kernels of one call on the caller's stream.
+//
+// Linear head, per chunk of `rows` tokens (logits never exist beyond the chunk):
+//   Z   (rows, vocab) f32  = X_chunk W^T                      cuBLASLt
+//   row kernel: loss, lse, and dZ written over Z (f32 inputs) or into G (rows, vocab) of the
+//               input dtype; f16 gradients are stored times S (see CallScalars)
+//   dX_chunk (rows, hidden) = G W / S                          cuBLASLt
+//   dW (vocab, hidden)     += G^T X_chunk / S                  cuBLASLt, beta 1 after the first chunk
+//   db (vocab)             += column sums of G / S, rows in order
+// Nothing here waits for the device: the loss, lse and gradients stay where the caller pointed.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+
+#include "core/backend.hpp"
+#include "core/context.hpp"
+#include "core/dtype.hpp"
+#include "cuda/common.cuh"
+#include "cuda/loss_rows.cuh"
+#include "cuda/matmul.cuh"
+#include "cuda/topk.cuh"
+
+namespace lmloss::cuda {
+namespace {
+
+constexpr size_t kMatmulWorkspace = size_t(32) << 20;
+int64_t row_stride(const lmloss_tensor& t) { return t.ndim == 2 && t.stride != 0 ? t.stride : t.ndim == 2 ? t.shape[1] : 1; }
+
+// Per-context state: the cuBLASLt handle and plans, and the device's error flag.
+class CudaState : public core::BackendState {
+ public:
+  ~CudaState() override {
+    if (error_flag) {
+      int previous = 0;
+      cudaGetDevice(&previous);
+      cudaSetDevice(device);
+      cudaFree(error_flag);
+      cudaSetDevice(previous);
+    }
+  }
+  int device = -1;
+  MatmulCache matmul;
+  int* error_flag = nullptr;  // set by kernels that meet an id out of range
+};
+
+// Makes `device` current for the scope of a call and restores the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) cudaSetDevice(device);
+    device_ = device;
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0, device_ = 0;
+};
+
+lmloss_status get_state(lmloss_context& context, int device, CudaState** out) {
+  if (!context.cuda_state) {
+    auto state = std::make_unique<CudaState>();
+    state->device = device;
+    LMLOSS_CUDA_TRY(cudaMalloc(&state->error_flag, sizeof(int)));
+    LMLOSS_CUDA_TRY(cudaMemset(state->error_flag, 0, sizeof(int)));
+    if (const lmloss_status st = state->matmul.init(); st != LMLOSS_SUCCESS) return st;
+    // Keep up to one budget of freed workspace in the stream-ordered pool between calls, so a
+    // training loop does not map and unmap it on every step.
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+      uint64_t threshold = context.workspace_budget;
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
+    }
+    context.cuda_state = std::move(state);
+  }
+  auto* state = dynamic_cast<CudaState*>(context.cuda_state.get());
+  if (!state) return core::fail(LMLOSS_ERROR_INTERNAL, "context: foreign backend state");
+  if (state->device != device)
+    return core::fail(LMLOSS_ERROR_UNSUPPORTED,
+                      "context: already used on CUDA device " + std::to_string(state->device) +
+                          "; use one context per device");
+  *out = state;
+  return LMLOSS_SUCCESS;
+}
+
+// One call's workspace: a single block from the caller's allocator or the stream-ordered pool,
+// returned on the same stream once the call has enqueued its work (stream order keeps it alive
+// until that work is done).
+class Workspace {
+ public:
+  Workspace(lmloss_context& context, int device, cudaStream_t stream)
+      : context_(context), device_(device), stream_(stream) {}
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  ~Workspace() {
+    if (!base_) return;
+    if (context_.has_allocator)
+      context_.allocator.free(context_.allocator.user, base_, bytes_, device_, stream_);
+    else
+      cudaFreeAsync(base_, stream_);
+    core::note_workspace_released(context_, bytes_);
+  }
+  lmloss_status acquire(size_t bytes) {
+    if (bytes == 0) return LMLOSS_SUCCESS;
+    if (context_.has_allocator) {
+      base_ = context_.allocator.alloc(context_.allocator.user, bytes, device_, stream_);
+      if (!base_)
+        return core::fail(LMLOSS_ERROR_OUT_OF_MEMORY,
+                          "workspace: the allocator returned NULL for " + std::to_string(bytes) + " bytes");
+    } else if (cudaMallocAsync(&base_, bytes, stream_) != cudaSuccess) {
+      cudaGetLastError();
+      base_ = nullptr;
+      return core::fail(LMLOSS_ERROR_OUT_OF_MEMORY,
+                        "workspace: cudaMallocAsync of " + std::to_string(bytes) + " bytes failed");
+    }
+    bytes_ = bytes;
+    core::note_workspace_acquired(context_, bytes_);
+    return LMLOSS_SUCCESS;
+  }
+  template <typename T>
+  T* at(size_t offset) const {
+    return reinterpret_cast<T*>(static_cast<char*>(base_) + offset);
+  }
+
+ private:
+  lmloss_context& context_;
+  int device_;
+  cudaStream_t stream_;
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// ---- planning --------------------------------------------------------------------------------
+// A call's workspace is a list of pieces, each `fixed + per_row * rows` bytes (the top-k sort's
+// scratch is its own function of rows), laid out in order with their alignment: the large
+// chunk buffers first on 256 bytes (what cuBLASLt's fastest kernels want), the small ones on 16.
+// The chunk height is the most rows whose layout fits the budget, found exactly.
+
+struct Piece {
+  size_t fixed = 0, per_row = 0, align = 16;
+  int64_t topk_k = 0;  // > 0: the top-k device sort's scratch for k
+  size_t bytes(int64_t rows) const {
+    return topk_k > 0 ? topk_scratch_bytes(rows, topk_k) : fixed + per_row * size_t(rows);
+  }
+};
+
+template <int N>
+struct Layout {
+  Piece pieces[N];
+  size_t offset(int i, int64_t rows) const {
+    size_t at = 0;
+    for (int j = 0; j < i; ++j)
+      if (const size_t b = pieces[j].bytes(rows)) at = round_to(at, pieces[j].align) + b;
+    return round_to(at, pieces[i].align);
+  }
+  size_t total(int64_t rows) const { return offset(N - 1, rows) + pieces[N - 1].bytes(rows); }
+  static size_t round_to(size_t n, size_t a) { return (n + a - 1) / a * a; }
+};
+
+// The most rows (at most n) whose layout fits `budget`, made a multiple of 128 (the products'
+// tile height) when that leaves 256 or more; 0 when not even one row fits.
+template <int N>
+int64_t fit_rows(const Layout<N>& layout, size_t budget, int64_t n, int64_t row_limit) {
+  int64_t lo = 0, hi = std::min(n, row_limit);
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (layout.total(mid) <= budget) lo = mid;
+    else hi = mid - 1;
+  }
+  // Evening the chunks out (1664 rows instead of 1920 + a remainder) measured slower on an
+  // H200 (2026-12-02): the products' algorithm for the odd height costs more than the short
+  // last chunk.
+  if (lo < n && lo >= 256) lo = lo / 128 * 128;
+  return lo;
+}
+
+size_t matmul_workspace(size_t budget) {
+  return std::min(kMatmulWorkspace, (budget / 16) & ~size_t(255));
+}
+
+bool wants_any_grad(const core::LossCall& call) {
+  const lmloss_grads& g = call.grads;
+  return call.wants_grads() &&
+         (g.grad_logits.data || g.grad_hidden.data || g.grad_weight.data || g.grad_bias.data);
+}
+
+enum LossPiece { kLogitsChunk, kMatmulWs, kSparse, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces };
+
+struct LossPlan {
+  Layout<kLossPieces> layout;
+  int64_t chunk_rows = 0;
+  int64_t logits_ld = 0;          // linear: row stride of the logits chunk (a multiple of 8)
+  int64_t grad_ld = 0;            // linear: row stride of the gradient chunk, in its elements
+  lmloss_dtype grad_dtype = LMLOSS_F32;
+  size_t matmul_ws = 0;
+};
+
+LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
+  LossPlan p;
+  const bool grads = wants_any_grad(call);
+  const bool reduced_loss = call.wants_loss() && call.loss.data && call.options.reduction != LMLOSS_REDUCTION_NONE;
+  Piece* pc = p.layout.pieces;
+  pc[kScalars].fixed = sizeof(CallScalars);
+  if (reduced_loss) pc[kTokenLoss].fixed = sizeof(float) * call.n_tokens;
+  pc[kSparse].per_row = sizeof(float) * size_t(call.top_k + 1);
+  if (call.linear) {
+    p.logits_ld = (call.vocab + 7) / 8 * 8;
+    // The gradient goes over the chunk's own f32 logits, narrowed to the input dtype in place
+    // (row stride 2 * logits_ld of 16-bit values), so a chunk row costs 4 bytes per logit.
+    p.grad_dtype = call.input_dtype;
+    p.grad_ld = call.input_dtype == LMLOSS_F32 ? p.logits_ld : 2 * p.logits_ld;
+    pc[kLogitsChunk] = {0, sizeof(float) * size_t(p.logits_ld), 256};
+    p.matmul_ws = matmul_workspace(context.workspace_budget);
+    pc[kMatmulWs] = {p.matmul_ws, 0, 256};
+    if (call.head.bias.data) pc[kBiasF32].fixed = sizeof(float) * call.vocab;
+    if (grads && call.grads.grad_bias.data) pc[kBiasGrad].fixed = sizeof(float) * call.vocab;
+  }
+  p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, call.n_tokens);
+  return p;
+}
+
+enum TopkPiece { kTopkLogits, kTopkMatmulWs, kTopkSort, kTopkScalars, kTopkLse, kTopkBias, kTopkPieces };
+
+struct TopkPlan {
+  Layout<kTopkPieces> layout;
+  int64_t chunk_rows = 0;
+  int64_t logits_ld = 0;
+  size_t matmul_ws = 0;
+};
+
+TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
+  TopkPlan p;
+  const int64_t k = call.options.k;
+  Piece* pc = p.layout.pieces;
+  if (k > topk_shared_capacity()) {  // the device-memory sort, and each row's lse kept across it
+    pc[kTopkSort] = {0, 0, 256, k};
+    pc[kTopkLse].per_row = sizeof(float);
+  }
+  if (call.linear) {
+    p.logits_ld = (call.vocab + 7) / 8 * 8;
+    pc[kTopkLogits] = {0, sizeof(float) * size_t(p.logits_ld), 256};
+    p.matmul_ws = matmul_workspace(context.workspace_budget);
+    pc[kTopkMatmulWs] = {p.matmul_ws, 0, 256};
+    pc[kTopkScalars].fixed = sizeof(CallScalars);
+    if (call.head.bias.data) pc[kTopkBias].fixed = sizeof(float) * call.vocab;
+  }
+  // The device sort counts its keys in 32 bits.
+  const int64_t limit = k > topk_shared_capacity() ? std::max<int64_t>(1, ((int64_t(1) << 31) - 1) / k) : call.n_tokens;
+  p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, limit);
+  return p;
+}
+
+lmloss_status budget_error(const lmloss_context& context, size_t one_row) {
+  return core::fail(LMLOSS_ERROR_INVALID_ARGUMENT,
+                    "context workspace budget: " + std::to_string(context.workspace_budget) +
+                        " bytes do not hold one row of the problem (" + std::to_string(one_row) +
+                        " bytes); raise it with lmloss_context_set_workspace_budget");
+}
+
+lmloss_status check_vector(const lmloss_tensor& t, const char* name) {
+  if (t.data && t.ndim == 1 && t.stride > 1)
+    return core::fail(LMLOSS_ERROR_UNSUPPORTED,
+                      std::string(name) + ": the CUDA backend needs a contiguous vector (stride 0 or 1)");
+  return LMLOSS_SUCCESS;
+}
+
+// ---- the loss pipelines ----------------------------------------------------------------------
+
+struct LossRun {
+  lmloss_context& context;
+  const core::LossCall& call;
+  CudaState& state;
+  cudaStream_t stream;
+};
+
+LossRowsArgs row_args_common(const core::LossCall& call) {
+  const auto& o = call.options;
+  LossRowsArgs a;
+  a.vocab = call.vocab;
+  a.labels = call.targets.labels.data;
+  a.labels_dtype = call.targets.labels.dtype;
+  a.ignore_index = o.ignore_index;
+  a.mask = static_cast<const uint8_t*>(call.targets.token_mask.data);
+  if (call.has_teacher()) {
+    a.teacher_ids = call.targets.teacher_ids.data;
+    a.teacher_ids_dtype = call.targets.teacher_ids.dtype;
+    a.teacher_ids_ld = row_stride(call.targets.teacher_ids);
+    a.teacher_probs = static_cast<const float*>(call.targets.teacher_probs.data);
+    a.teacher_probs_ld = row_stride(call.targets.teacher_probs);
+    a.top_k = call.top_k;
+  }
+  a.reduction = o.reduction;
+  a.scale = core::LogitScale<float>::make(o.softcap, o.temperature);
+  a.weights = core::LossWeights<float>::make(o.ce_weight, o.kd_weight, o.label_smoothing, o.z_loss, call.vocab);
+  return a;
+}
+
+lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
+  const core::LossCall& call = r.call;
+  const auto& o = call.options;
+  const bool grads = wants_any_grad(call);
+  const bool loss_wanted = call.wants_loss() && call.loss.data;
+  const bool reduced_loss = loss_wanted && o.reduction != LMLOSS_REDUCTION_NONE;
+  const bool f16_products = call.linear && grads && call.input_dtype == LMLOSS_F16;
+  if (call.mode == core::Mode::backward && !grads) return LMLOSS_SUCCESS;
+
+  const int64_t R = plan.chunk_rows;
+  Workspace ws(r.context, r.state.device, r.stream);
+  LMLOSS_CHECK(ws.acquire(plan.layout.total(R)));
+  const Piece* pc = plan.layout.pieces;
+  auto piece = [&](int i) -> void* { return pc[i].bytes(R) ? ws.at<void>(plan.layout.offset(i, R)) : nullptr; };
+  auto* scalars = static_cast<CallScalars*>(piece(kScalars));
+  float* token_loss = reduced_loss ? static_cast<float*>(piece(kTokenLoss))
+                                   : (loss_wanted ? static_cast<float*>(call.loss.data) : nullptr);
+  float* bias = static_cast<float*>(piece(kBiasF32));
+  float* bias_grad = static_cast<float*>(piece(kBiasGrad));
+  void* matmul_ws = piece(kMatmulWs);
+  const size_t matmul_ws_bytes = plan.matmul_ws;
+  float* sparse = static_cast<float*>(piece(kSparse));
+  float* logits_chunk = static_cast<float*>(piece(kLogitsChunk));
+
+  PrepareArgs prep;
+  prep.n_tokens = call.n_tokens;
+  prep.labels = call.targets.labels.data;
+  prep.labels_dtype = call.targets.labels.dtype;
+  prep.ignore_index = o.ignore_index;
+  prep.mask = static_cast<const uint8_t*>(call.targets.token_mask.data);
+  prep.grad_loss = call.wants_grads() ? static_cast<const float*>(call.grad_loss.data) : nullptr;
+  prep.reduction = o.reduction;
+  prep.normalizer = o.normalizer;
+  prep.scale_gradient = f16_products;
+  prep.max_row_factor = static_cast<float>(std::fabs(o.ce_weight) + std::fabs(o.kd_weight) + 1.0);
+  prep.scalars = scalars;
+  LMLOSS_CHECK(launch_prepare(prep, r.stream));
+  if (bias) LMLOSS_CHECK(launch_to_f32(call.head.bias.data, call.head.bias.dtype, call.vocab, bias, r.stream));
+
+  LossRowsArgs a = row_args_common(call);
+  a.work = call.mode == core::Mode::forward || !grads ? RowWork::stats
+           : call.mode == core::Mode::backward         ? RowWork::grad_from_lse
+                                                       : RowWork::stats_and_grad;
+  a.token_loss = loss_wanted ? token_loss : nullptr;
+  a.lse_out = call.mode != core::Mode::backward ? static_cast<float*>(call.lse.data) : nullptr;
+  a.lse_in = call.mode == core::Mode::backward ? static_cast<const float*>(call.lse.data) : nullptr;
+  a.grad_loss = static_cast<const float*>(prep.grad_loss);
+  a.scalars = scalars;
+  a.error_flag = r.state.error_flag;
+  a.sparse_s = sparse;
+  a.bias = bias;
+
+  const lmloss_grads& g = call.grads;
+  const bool accumulate_w = (o.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT) != 0;
+  const bool accumulate_b = (o.flags & LMLOSS_ACCUMULATE_GRAD_BIAS) != 0;
+  const char* x = static_cast<const char*>(call.head.hidden.data);
+  const int64_t x_ld = call.linear ? row_stride(call.head.hidden) : 0;
+  const int64_t in_size = int64_t(core::dtype_size(call.input_dtype));
+
+  for (int64_t row0 = 0; row0 < call.n_tokens; row0 += R) {
+    const int64_t rows = std::min(R, call.n_tokens - row0);
+    a.row0 = row0;
+    a.rows = rows;
+    if (!call.linear) {
+      const int64_t ld = row_stride(call.head.logits);
+      a.logits = static_cast<const char*>(call.head.logits.data) + row0 * ld * in_size;
+      a.logits_ld = ld;
+      a.logits_dtype = call.input_dtype;
+      if (a.work != RowWork::stats) {
+        const int64_t gld = row_stride(g.grad_logits);
+        a.grad = static_cast<char*>(g.grad_logits.data) + row0 * gld * in_size;
+        a.grad_ld = gld;
+        a.grad_dtype = call.input_dtype;
+      }
+      LMLOSS_CHECK(launch_loss_rows(a, r.stream));
+      continue;
+    }
+
+    // Z = X_chunk W^T: column-major (vocab, rows) = op(W) (vocab, hidden) * X^T (hidden, rows).
+    MatmulShape fwd;
+    fwd.m = call.vocab;
+    fwd.n = rows;
+    fwd.k = call.hidden;
+    fwd.trans_a = true;
+    fwd.lda = row_stride(call.head.weight);
+    fwd.ldb = x_ld;
+    fwd.ldd = plan.logits_ld;
+    fwd.ab_type = call.input_dtype;
+    fwd.d_type = LMLOSS_F32;
+    fwd.workspace_bytes = matmul_ws_bytes;
+    const void* x_chunk = x + row0 * x_ld * in_size;
+    LMLOSS_CHECK(r.state.matmul.run(fwd, call.head.weight.data, x_chunk, logits_chunk, &scalars->one,
+                                    &scalars->zero, matmul_ws, r.stream));
+    a.logits = logits_chunk;
+    a.logits_ld = plan.logits_ld;
+    a.logits_dtype = LMLOSS_F32;
+    void* grad = logits_chunk;
+    if (a.work != RowWork::stats) {
+      a.grad = grad;
+      a.grad_ld = plan.grad_ld;
+      a.grad_dtype = plan.grad_dtype;
+    }
+    LMLOSS_CHECK(launch_loss_rows(a, r.stream));
+    if (a.work == RowWork::stats) continue;
+
+    const lmloss_dtype gtype = a.grad_dtype;
+    if (g.grad_hidden.data) {
+      // dX_chunk: column-major (hidden, rows) = W^T (hidden, vocab) * G^T (vocab, rows).
+      MatmulShape s;
+      s.m = call.hidden;
+      s.n = rows;
+      s.k = call.vocab;
+      s.lda = row_stride(call.head.weight);
+      s.ldb = plan.grad_ld;
+      s.ldd = row_stride(g.grad_hidden);
+      s.ab_type = gtype;
+      s.d_type = g.grad_hidden.dtype;
+      s.workspace_bytes = matmul_ws_bytes;
+      char* d = static_cast<char*>(g.grad_hidden.data) + row0 * s.ldd * int64_t(core::dtype_size(s.d_type));
+      LMLOSS_CHECK(r.state.matmul.run(s, call.head.weight.data, grad, d, &scalars->inv_grad_scale,
+                                      &scalars->zero, matmul_ws, r.stream));
+    }
+    if (g.grad_weight.data) {
+      // dW: column-major (hidden, vocab) = X_chunk^T (hidden, rows) * G (rows, vocab).
+      MatmulShape s;
+      s.m = call.hidden;
+      s.n = call.vocab;
+      s.k = rows;
+      s.trans_b = true;
+      s.lda = x_ld;
+      s.ldb = plan.grad_ld;
+      s.ldd = row_stride(g.grad_weight);
+      s.ab_type = gtype;
+      s.d_type = g.grad_weight.dtype;
+      s.workspace_bytes = matmul_ws_bytes;
+      const bool add = row0 > 0 || accumulate_w;
+      LMLOSS_CHECK(r.state.matmul.run(s, x_chunk, grad, g.grad_weight.data, &scalars->inv_grad_scale,
+                                      add ? &scalars->one : &scalars->zero, matmul_ws, r.stream));
+    }
+    if (bias_grad)
+      LMLOSS_CHECK(launch_column_sum(grad, plan.grad_ld, gtype, rows, call.vocab, row0 > 0, scalars,
+                                     bias_grad, r.stream));
+  }
+
+  if (reduced_loss) LMLOSS_CHECK(launch_reduce_loss(token_loss, call.n_tokens, scalars,
+                                                    static_cast<float*>(call.loss.data), r.stream));
+  if (bias_grad)
+    LMLOSS_CHECK(launch_store_vector(bias_grad, call.vocab, accumulate_b, g.grad_bias.data,
+                                     g.grad_bias.dtype, r.stream));
+  return LMLOSS_SUCCESS;
+}
+
+// ---- the backend -----------------------------------------------------------------------------
+
+class CudaBackend final : public core::Backend {
+ public:
+  bool available() const override {
+    static const bool found = [] {
+      int count = 0;
+      const cudaError_t st = cudaGetDeviceCount(&count);
+      if (st != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+      }
+      return count > 0;
+    }();
+    return found;
+  }
+
+  lmloss_status check(lmloss_context& context, const core::LossCall& call) override {
+    if (call.input_dtype == LMLOSS_F64)
+      return core::fail(LMLOSS_ERROR_UNSUPPORTED,
+                        "head: f64 tensors are CPU only; use f32, bf16 or f16 on CUDA");
+    LMLOSS_CHECK(check_vector(call.targets.labels, "targets.labels"));
+    LMLOSS_CHECK(check_vector(call.targets.token_mask, "targets.token_mask"));
+    LMLOSS_CHECK(check_vector(call.loss, "loss"));
+    LMLOSS_CHECK(check_vector(call.lse, "lse"));
+    LMLOSS_CHECK(check_vector(call.grad_loss, "grad_loss"));
+    LMLOSS_CHECK(check_vector(call.head.bias, "head.bias"));
+    LMLOSS_CHECK(check_vector(call.grads.grad_bias, "grads.grad_bias"));
+    if (call.mode == core::Mode::backward && wants_any_grad(call) && !call.lse.data)
+      return core::fail(LMLOSS_ERROR_INVALID_ARGUMENT, "lse: the backward needs the forward's lse");
+    const LossPlan plan = plan_loss(context, call);
+    if (plan.chunk_rows == 0) return budget_error(context, plan.layout.total(1));
+    return LMLOSS_SUCCESS;
+  }
+
+  lmloss_status check(lmloss_context& context, const core::TopkCall& call) override {
+    if (call.input_dtype == LMLOSS_F64)
+      return core::fail(LMLOSS_ERROR_UNSUPPORTED,
+                        "head: f64 tensors are CPU only; use f32, bf16 or f16 on CUDA");
+    if (call.vocab >= (int64_t(1) << 31) - 1)
+      return core::fail(LMLOSS_ERROR_UNSUPPORTED, "head: top-k on CUDA needs vocab < 2^31");
+    LMLOSS_CHECK(check_vector(call.head.bias, "head.bias"));
+    LMLOSS_CHECK(check_vector(call.tail, "tail"));
+    const TopkPlan plan = plan_topk(context, call);
+    if (plan.chunk_rows == 0) return budget_error(context, plan.layout.total(1));
+    return LMLOSS_SUCCESS;
+  }
+
+  lmloss_status run(lmloss_context& context, const core::LossCall& call) override {
+    DeviceGuard guard(call.device_index);
+    CudaState* state = nullptr;
+    LMLOSS_CHECK(get_state(context, call.device_index, &state));
+    const LossPlan plan = plan_loss(context, call);
+    if (plan.chunk_rows == 0) return budget_error(context, plan.layout.total(1));
+    LossRun r{context, call, *state, static_cast<cudaStream_t>(context.stream)};
+    return run_loss(r, plan);
+  }
+
+  lmloss_status run(lmloss_context& context, const core::TopkCall& call) override {
+    DeviceGuard guard(call.device_index);
+    CudaState* state = nullptr;
+    LMLOSS_CHECK(get_state(context, call.device_index, &state));
+    const TopkPlan plan = plan_topk(context, call);
+    const int64_t k = call.options.k;
+    if (plan.chunk_rows == 0) return budget_error(context, plan.layout.total(1));
+    const auto stream = static_cast<cudaStream_t>(context.stream);
+    const int64_t R = plan.chunk_rows;
+
+    Workspace ws(context, state->device, stream);
+    LMLOSS_CHECK(ws.acquire(plan.layout.total(R)));
+    auto piece = [&](int i) -> void* {
+      return plan.layout.pieces[i].bytes(R) ? ws.at<void>(plan.layout.offset(i, R)) : nullptr;
+    };
+    auto* scalars = static_cast<CallScalars*>(piece(kTopkScalars));
+    float* bias = static_cast<float*>(piece(kTopkBias));
+    void* matmul_ws = piece(kTopkMatmulWs);
+    const size_t matmul_ws_bytes = plan.matmul_ws;
+    float* logits_chunk = static_cast<float*>(piece(kTopkLogits));
+    void* scratch = piece(kTopkSort);
+    float* row_lse = static_cast<float*>(piece(kTopkLse));
+
+    if (scalars) {
+      PrepareArgs prep;  // only the product constants are used
+      prep.scalars = scalars;
+      LMLOSS_CHECK(launch_prepare(prep, stream));
+    }
+    if (bias) LMLOSS_CHECK(launch_to_f32(call.head.bias.data, call.head.bias.dtype, call.vocab, bias, stream));
+
+    TopkRowsArgs a;
+    a.bias = bias;
+    a.vocab = call.vocab;
+    a.k = k;
+    a.ids = static_cast<int32_t*>(call.ids.data);
+    a.ids_ld = row_stride(call.ids);
+    a.probs = static_cast<float*>(call.probs.data);
+    a.probs_ld = row_stride(call.probs);
+    a.tail = static_cast<float*>(call.tail.data);
+    a.renormalize = call.options.renormalize != 0;
+    a.scale = core::LogitScale<float>::make(call.options.softcap, call.options.temperature);
+    a.lse_scratch = row_lse;
+    const int64_t in_size = int64_t(core::dtype_size(call.input_dtype));
+    const char* x = static_cast<const char*>(call.head.hidden.data);
+    const int64_t x_ld = call.linear ? row_stride(call.head.hidden) : 0;
+    for (int64_t row0 = 0; row0 < call.n_tokens; row0 += R) {
+      const int64_t rows = std::min(R, call.n_tokens - row0);
+      a.row0 = row0;
+      a.rows = rows;
+      if (call.linear) {
+        MatmulShape fwd;
+        fwd.m = call.vocab;
+        fwd.n = rows;
+        fwd.k = call.hidden;
+        fwd.trans_a = true;
+        fwd.lda = row_stride(call.head.weight);
+        fwd.ldb = x_ld;
+        fwd.ldd = plan.logits_ld;
+        fwd.ab_type = call.input_dtype;
+        fwd.d_type = LMLOSS_F32;
+        fwd.workspace_bytes = matmul_ws_bytes;
+        LMLOSS_CHECK(state->matmul.run(fwd, call.head.weight.data, x + row0 * x_ld * in_size, logits_chunk,
+                                       &scalars->one, &scalars->zero, matmul_ws, stream));
+        a.logits = logits_chunk;
+        a.logits_ld = plan.logits_ld;
+        a.logits_dtype = LMLOSS_F32;
+      } else {
+        const int64_t ld = row_stride(call.head.logits);
+        a.logits = static_cast<const char*>(call.head.logits.data) + row0 * ld * in_size;
+        a.logits_ld = ld;
+        a.logits_dtype = call.input_dtype;
+      }
+      LMLOSS_CHECK(launch_topk_rows(a, scratch, stream));
+    }
+    return LMLOSS_SUCCESS;
+  }
+
+  lmloss_status synchronize(lmloss_context& context) override {
+    auto* state = dynamic_cast<CudaState*>(context.cuda_state.get());
+    if (!state) return LMLOSS_SUCCESS;
+    DeviceGuard guard(state->device);
+    LMLOSS_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(context.stream)));
+    int flag = 0;
+    LMLOSS_CUDA_TRY(cudaMemcpy(&flag, state->error_flag, sizeof(int), cudaMemcpyDeviceToHost));
+    if (flag == 0) return LMLOSS_SUCCESS;
+    LMLOSS_CUDA_TRY(cudaMemset(state->error_flag, 0, sizeof(int)));
+    return core::fail(LMLOSS_ERROR_ID_OUT_OF_RANGE,
+                      "targets: a label or teacher id was out of range on the device; those tokens' "
+                      "loss is NaN and their gradient zero");
+  }
+};
+
+}  // namespace
+}  // namespace lmloss::cuda
+
+namespace lmloss::core {
+Backend* cuda_backend() {
+  static cuda::CudaBackend backend;
+  return &backend;
+}
+}  // namespace lmloss::core

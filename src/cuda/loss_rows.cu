@@ -1,0 +1,419 @@
+// Row kernels of the losses (see loss_rows.cuh for the passes), and the small kernels around
+// them: the per-call prologue (counted tokens, upstream gradient, f16 scale), the final loss
+// reduction and the bias gradient's column sums. Every reduction runs in a fixed order.
+#include "cuda/loss_rows.cuh"
+
+#include <cmath>
+
+namespace lmloss::cuda {
+namespace {
+
+constexpr int kRowThreads = 512;
+constexpr int kReduceThreads = 1024;
+
+// Stores G values of TOut at once (8 or 16 bytes).
+template <typename T, int G>
+struct alignas(G * sizeof(T)) Pack {
+  T v[G];
+};
+
+// out[j] = f(j, in[j]) over a row; 16-byte loads and G-wide stores when both rows line up, else
+// scalar accesses. in may equal out (the gradient in place).
+template <typename TIn, typename TOut, typename F>
+__device__ __forceinline__ void map_row(const TIn* in, TOut* out, int64_t n, F&& f) {
+  constexpr int G = Vec<TIn>::size;
+  const uintptr_t in_addr = reinterpret_cast<uintptr_t>(in);
+  const uintptr_t out_addr = reinterpret_cast<uintptr_t>(out);
+  int64_t head = static_cast<int64_t>(((16 - (in_addr & 15)) & 15) / sizeof(TIn));
+  const bool vector = in_addr % sizeof(TIn) == 0 && out_addr % sizeof(TOut) == 0 &&
+                      ((out_addr / sizeof(TOut)) + head) % G == 0;
+  if (!vector || head > n) head = n;
+  const int64_t body = (n - head) / G;
+  for (int64_t j = threadIdx.x; j < head; j += blockDim.x) out[j] = from_float<TOut>(f(j, to_float(in[j])));
+  const Vec<TIn>* in_vec = reinterpret_cast<const Vec<TIn>*>(in + head);
+  Pack<TOut, G>* out_vec = reinterpret_cast<Pack<TOut, G>*>(out + head);
+  for (int64_t i = threadIdx.x; i < body; i += blockDim.x) {
+    const Vec<TIn> x = in_vec[i];
+    Pack<TOut, G> y;
+#pragma unroll
+    for (int e = 0; e < G; ++e) y.v[e] = from_float<TOut>(f(head + i * G + e, to_float(x.v[e])));
+    out_vec[i] = y;
+  }
+  for (int64_t j = head + body * G + threadIdx.x; j < n; j += blockDim.x)
+    out[j] = from_float<TOut>(f(j, to_float(in[j])));
+}
+
+// out[j] = f(j, in[j]) where out is narrower than in and starts where in starts (a 16-bit gradient
+// written over its own f32 logits row, so no second buffer is needed). The row goes in tiles,
+// in order: every thread reads its share of a tile, a barrier, then the writes, which land on
+// bytes of this tile or of tiles already read (out index j sits at in index j / 2).
+template <typename TOut, typename F>
+__device__ __forceinline__ void narrow_row(const float* in, TOut* out, int64_t n, F&& f) {
+  static_assert(sizeof(TOut) == 2, "narrowing f32 to a 16-bit type");
+  // Elements per thread per tile: two 16-byte loads before each barrier (32 per thread measured
+  // slower on an H200, 2026-12-02).
+  constexpr int G = 8;
+  const int64_t tile = int64_t(blockDim.x) * G;
+  for (int64_t base = 0; base < n; base += tile) {
+    float x[G];
+#pragma unroll
+    for (int q = 0; q < G / 4; ++q) {  // thread t reads 4 floats at base + 4 (q blockDim + t)
+      const int64_t j = base + 4 * (int64_t(q) * blockDim.x + threadIdx.x);
+      if (j + 4 <= n) {
+        const float4 v = *reinterpret_cast<const float4*>(in + j);
+        x[4 * q] = v.x; x[4 * q + 1] = v.y; x[4 * q + 2] = v.z; x[4 * q + 3] = v.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[4 * q + e] = j + e < n ? in[j + e] : 0.f;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < G / 4; ++q) {
+      const int64_t j = base + 4 * (int64_t(q) * blockDim.x + threadIdx.x);
+      if (j + 4 <= n) {
+        Pack<TOut, 4> y;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y.v[e] = from_float<TOut>(f(j + e, x[4 * q + e]));
+        *reinterpret_cast<Pack<TOut, 4>*>(out + j) = y;
+      } else {
+        for (int e = 0; e < 4 && j + e < n; ++e) out[j + e] = from_float<TOut>(f(j + e, x[4 * q + e]));
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ bool is_counted(const void* labels, lmloss_dtype labels_dtype,
+                                           int64_t ignore_index, const uint8_t* mask, int64_t t) {
+  if (labels && load_id(labels, labels_dtype, t) == ignore_index) return false;
+  if (mask && mask[t] == 0) return false;
+  return true;
+}
+
+template <typename TIn, typename TOut>
+__global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsArgs a) {
+  __shared__ float2 maxsum_scratch[32];
+  __shared__ float sum_scratch[32];
+  __shared__ int row_bad;
+  const int64_t V = a.vocab;
+  const int64_t K = a.top_k;
+  const int64_t sparse_ld = K + 1;
+  const float* bias = static_cast<const float*>(a.bias);
+  const bool wants_grad = a.work != RowWork::stats;
+  const auto& scale = a.scale;
+  const auto& weights = a.weights;
+  // The gradient over its own logits, in a narrower type: the tiled, ordered pass.
+  const bool narrow = sizeof(TOut) < sizeof(TIn) && a.grad == a.logits;
+  auto write_row = [&](const TIn* in, TOut* out, int64_t n, auto&& f) {
+    if constexpr (sizeof(TOut) < sizeof(TIn)) {
+      if (narrow) {
+        narrow_row(in, out, n, f);
+        return;
+      }
+    }
+    map_row(in, out, n, f);
+  };
+
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const int64_t t = a.row0 + r;
+    const TIn* z = static_cast<const TIn*>(a.logits) + r * a.logits_ld;  // (vocab)
+    TOut* dz = wants_grad ? static_cast<TOut*>(a.grad) + r * a.grad_ld : nullptr;
+    float* sparse = a.sparse_s + r * sparse_ld;  // (top_k + 1)
+
+    // Which ids the row has, and whether any is out of range (then: NaN loss, zero gradient).
+    const bool has_label = a.labels != nullptr;
+    const int64_t label = has_label ? load_id(a.labels, a.labels_dtype, t) : -1;
+    const bool label_used = has_label && label != a.ignore_index;
+    const bool counted = is_counted(a.labels, a.labels_dtype, a.ignore_index, a.mask, t);
+    if (threadIdx.x == 0) row_bad = label_used && (label < 0 || label >= V);
+    __syncthreads();
+    for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
+      const int64_t id = load_id(a.teacher_ids, a.teacher_ids_dtype, t * a.teacher_ids_ld + k);
+      if (id < 0 || id >= V) row_bad = 1;
+    }
+    __syncthreads();
+    if (row_bad) {
+      if (threadIdx.x == 0) {
+        if (a.token_loss) a.token_loss[t] = NAN;
+        if (a.lse_out) a.lse_out[t] = NAN;
+        *a.error_flag = 1;
+      }
+      if (wants_grad) write_row(z, dz, V, [](int64_t, float) { return 0.f; });
+      __syncthreads();
+      continue;
+    }
+
+    // lse: one read of the row (online max and sum of exponentials), or the saved value.
+    float lse;
+    float sum_s = 0.f;
+    if (a.work != RowWork::grad_from_lse) {
+      MaxSum acc{-INFINITY, 0.f};
+      const bool smoothing = weights.label_smoothing != 0.f;
+      for_each_in_row(z, V, [&](int64_t j, float v) {
+        const float s = scale.apply(bias ? v + bias[j] : v);
+        if (s > acc.max) {
+          acc.sum = acc.sum * expf(acc.max - s) + 1.f;
+          acc.max = s;
+        } else {
+          acc.sum += expf(s - acc.max);
+        }
+        sum_s += s;
+      });
+      acc = block_reduce_maxsum(acc, maxsum_scratch);
+      lse = acc.max + logf(acc.sum);
+      if (smoothing) sum_s = block_reduce(sum_s, Sum{}, 0.f, sum_scratch);
+    } else {
+      lse = a.lse_in[t];
+    }
+
+    // The sparse entries: s at the label and at the teacher ids, saved before any overwrite.
+    float s_label = 0.f;
+    if (label_used) {
+      s_label = scale.apply(bias ? to_float(z[label]) + bias[label] : to_float(z[label]));
+      if (threadIdx.x == 0) sparse[0] = s_label;
+    }
+    float teacher_cross = 0.f, teacher_mass = 0.f;
+    if (K > 0) {
+      for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
+        const int64_t id = load_id(a.teacher_ids, a.teacher_ids_dtype, t * a.teacher_ids_ld + k);
+        const float s = scale.apply(bias ? to_float(z[id]) + bias[id] : to_float(z[id]));
+        const float p = a.teacher_probs[t * a.teacher_probs_ld + k];
+        sparse[1 + k] = s;
+        teacher_cross += core::xlogx(p) - p * s;
+        teacher_mass += p;
+      }
+      teacher_cross = block_reduce(teacher_cross, Sum{}, 0.f, sum_scratch);
+      teacher_mass = block_reduce(teacher_mass, Sum{}, 0.f, sum_scratch);
+    }
+
+    if (threadIdx.x == 0) {
+      if (a.token_loss)
+        a.token_loss[t] = counted ? weights.loss(lse, s_label, sum_s, teacher_cross, teacher_mass) : 0.f;
+      if (a.lse_out) a.lse_out[t] = lse;
+    }
+    if (!wants_grad) {
+      __syncthreads();
+      continue;
+    }
+
+    // g_t, times the f16 scale S.
+    float g = 0.f;
+    if (counted) {
+      g = a.reduction == LMLOSS_REDUCTION_NONE ? (a.grad_loss ? a.grad_loss[t] : 1.f)
+                                               : a.scalars->upstream * a.scalars->inv_denominator;
+      g *= a.scalars->grad_scale;
+    }
+    const float p_coef = weights.p_coef(g, lse, teacher_mass);
+    const float offset = weights.offset(g);
+    __syncthreads();  // every sparse read above happens before the in-place writes below
+    write_row(z, dz, V, [&](int64_t j, float v) {
+      const float s = scale.apply(bias ? v + bias[j] : v);
+      return (p_coef * expf(s - lse) + offset) * scale.derivative(s);
+    });
+    __syncthreads();
+
+    // Fix-ups: the label and each distinct teacher id get the dense value plus every correction
+    // that lands on them, written once by the first entry naming that id (so duplicates are
+    // summed in entry order, deterministically). Entry 0 is the label, entry 1 + k teacher k.
+    if (g != 0.f) {
+      const bool label_entry = label_used && weights.alpha != 0.f;
+      auto entry_id = [&](int64_t e) -> int64_t {
+        return e == 0 ? (label_entry ? label : -1)
+                      : load_id(a.teacher_ids, a.teacher_ids_dtype, t * a.teacher_ids_ld + e - 1);
+      };
+      auto entry_correction = [&](int64_t e) -> float {
+        return e == 0 ? weights.label_correction(g)
+                      : weights.teacher_correction(g, a.teacher_probs[t * a.teacher_probs_ld + e - 1]);
+      };
+      for (int64_t e = threadIdx.x; e <= K; e += blockDim.x) {
+        const int64_t id = entry_id(e);
+        if (id < 0) continue;
+        bool leader = true;
+        for (int64_t f = 0; f < e && leader; ++f) leader = entry_id(f) != id;
+        if (!leader) continue;
+        float correction = 0.f;
+        for (int64_t f = e; f <= K; ++f)
+          if (entry_id(f) == id) correction += entry_correction(f);
+        const float s = sparse[e];
+        dz[id] = from_float<TOut>((p_coef * expf(s - lse) + offset + correction) * scale.derivative(s));
+      }
+    }
+    __syncthreads();
+  }
+}
+
+__global__ void prepare_kernel(const PrepareArgs a) {
+  __shared__ long long count_scratch[32];
+  __shared__ float max_scratch[32];
+  long long counted = 0;
+  float gmax = 0.f;
+  const bool vector_grad = a.reduction == LMLOSS_REDUCTION_NONE && a.grad_loss;
+  for (int64_t t = threadIdx.x; t < a.n_tokens; t += blockDim.x) {
+    if (!is_counted(a.labels, a.labels_dtype, a.ignore_index, a.mask, t)) continue;
+    ++counted;
+    if (vector_grad) gmax = fmaxf(gmax, fabsf(a.grad_loss[t]));
+  }
+  counted = block_reduce(counted, Sum{}, 0ll, count_scratch);
+  gmax = block_reduce(gmax, Max{}, 0.f, max_scratch);
+  if (threadIdx.x != 0) return;
+  CallScalars s{};
+  s.counted = counted;
+  s.upstream = (a.grad_loss && a.reduction != LMLOSS_REDUCTION_NONE) ? a.grad_loss[0] : 1.f;
+  if (a.reduction == LMLOSS_REDUCTION_MEAN) {
+    const double d = a.normalizer > 0 ? a.normalizer : static_cast<double>(counted);
+    s.inv_denominator = d > 0 ? static_cast<float>(1.0 / d) : 0.f;
+  } else {
+    s.inv_denominator = 1.f;
+  }
+  if (a.reduction != LMLOSS_REDUCTION_NONE) gmax = fabsf(s.upstream) * s.inv_denominator;
+  else if (!a.grad_loss) gmax = 1.f;
+  s.grad_scale = 1.f;
+  if (a.scale_gradient) {
+    // A power of two, so scaling and unscaling are exact: the largest |dl/ds| lands near 2^10,
+    // far from f16's underflow and with room below its overflow.
+    const float m = gmax * a.max_row_factor;
+    if (m > 0.f && isfinite(m)) s.grad_scale = exp2f(fminf(fmaxf(10.f - floorf(log2f(m)), -100.f), 100.f));
+  }
+  s.inv_grad_scale = 1.f / s.grad_scale;
+  s.zero = 0.f;
+  s.one = 1.f;
+  *a.scalars = s;
+}
+
+__global__ void reduce_loss_kernel(const float* token_loss, int64_t n, const CallScalars* scalars,
+                                   float* loss) {
+  __shared__ float scratch[32];
+  float sum = 0.f;
+  for (int64_t t = threadIdx.x; t < n; t += blockDim.x) sum += token_loss[t];
+  sum = block_reduce(sum, Sum{}, 0.f, scratch);
+  if (threadIdx.x == 0) *loss = sum * scalars->inv_denominator;
+}
+
+template <typename T>
+__global__ void column_sum_kernel(const T* grad, int64_t ld, int64_t rows, int64_t vocab,
+                                  bool accumulate, const CallScalars* scalars, float* acc) {
+  const float unscale = scalars->inv_grad_scale;
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < vocab;
+       j += int64_t(gridDim.x) * blockDim.x) {
+    float sum = 0.f;
+    for (int64_t r = 0; r < rows; ++r) sum += to_float(grad[r * ld + j]);
+    sum *= unscale;
+    acc[j] = accumulate ? acc[j] + sum : sum;
+  }
+}
+
+template <typename T>
+__global__ void store_vector_kernel(const float* acc, int64_t n, bool accumulate, T* out) {
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < n;
+       j += int64_t(gridDim.x) * blockDim.x)
+    out[j] = from_float<T>(accumulate ? to_float(out[j]) + acc[j] : acc[j]);
+}
+
+__global__ void to_f32_kernel(const void* in, lmloss_dtype dtype, int64_t n, float* out) {
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < n;
+       j += int64_t(gridDim.x) * blockDim.x)
+    out[j] = load_float(in, dtype, j);
+}
+
+unsigned int flat_grid(int64_t n, int threads) {
+  const int64_t blocks = (n + threads - 1) / threads;
+  return static_cast<unsigned int>(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
+}
+
+template <typename TIn, typename TOut>
+lmloss_status launch_rows_typed(const LossRowsArgs& args, cudaStream_t stream) {
+  loss_rows_kernel<TIn, TOut><<<row_grid(args.rows), kRowThreads, 0, stream>>>(args);
+  LMLOSS_CUDA_LAUNCHED("loss_rows_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+}  // namespace
+
+lmloss_status launch_loss_rows(const LossRowsArgs& args, cudaStream_t stream) {
+  if (args.rows == 0) return LMLOSS_SUCCESS;
+  // Without gradients the output type is unused; pair it with the input.
+  const lmloss_dtype out = args.work == RowWork::stats ? args.logits_dtype : args.grad_dtype;
+  switch (args.logits_dtype) {
+    case LMLOSS_F32:
+      switch (out) {
+        case LMLOSS_F32: return launch_rows_typed<float, float>(args, stream);
+        case LMLOSS_BF16: return launch_rows_typed<float, __nv_bfloat16>(args, stream);
+        case LMLOSS_F16: return launch_rows_typed<float, __half>(args, stream);
+        default: break;
+      }
+      break;
+    case LMLOSS_BF16:
+      if (out == LMLOSS_BF16) return launch_rows_typed<__nv_bfloat16, __nv_bfloat16>(args, stream);
+      break;
+    case LMLOSS_F16:
+      if (out == LMLOSS_F16) return launch_rows_typed<__half, __half>(args, stream);
+      break;
+    default: break;
+  }
+  return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported logits/gradient dtype pair");
+}
+
+lmloss_status launch_prepare(const PrepareArgs& args, cudaStream_t stream) {
+  prepare_kernel<<<1, kReduceThreads, 0, stream>>>(args);
+  LMLOSS_CUDA_LAUNCHED("prepare_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status launch_reduce_loss(const float* token_loss, int64_t n_tokens,
+                                 const CallScalars* scalars, float* loss, cudaStream_t stream) {
+  reduce_loss_kernel<<<1, kReduceThreads, 0, stream>>>(token_loss, n_tokens, scalars, loss);
+  LMLOSS_CUDA_LAUNCHED("reduce_loss_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status launch_column_sum(const void* grad, int64_t grad_ld, lmloss_dtype grad_dtype,
+                                int64_t rows, int64_t vocab, bool accumulate,
+                                const CallScalars* scalars, float* acc, cudaStream_t stream) {
+  const unsigned int grid = flat_grid(vocab, 256);
+  switch (grad_dtype) {
+    case LMLOSS_F32:
+      column_sum_kernel<<<grid, 256, 0, stream>>>(static_cast<const float*>(grad), grad_ld, rows,
+                                                   vocab, accumulate, scalars, acc);
+      break;
+    case LMLOSS_BF16:
+      column_sum_kernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(grad), grad_ld,
+                                                   rows, vocab, accumulate, scalars, acc);
+      break;
+    case LMLOSS_F16:
+      column_sum_kernel<<<grid, 256, 0, stream>>>(static_cast<const __half*>(grad), grad_ld, rows,
+                                                   vocab, accumulate, scalars, acc);
+      break;
+    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported gradient dtype");
+  }
+  LMLOSS_CUDA_LAUNCHED("column_sum_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status launch_to_f32(const void* in, lmloss_dtype dtype, int64_t n, float* out,
+                            cudaStream_t stream) {
+  to_f32_kernel<<<flat_grid(n, 256), 256, 0, stream>>>(in, dtype, n, out);
+  LMLOSS_CUDA_LAUNCHED("to_f32_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status launch_store_vector(const float* acc, int64_t n, bool accumulate, void* out,
+                                  lmloss_dtype out_dtype, cudaStream_t stream) {
+  const unsigned int grid = flat_grid(n, 256);
+  switch (out_dtype) {
+    case LMLOSS_F32:
+      store_vector_kernel<<<grid, 256, 0, stream>>>(acc, n, accumulate, static_cast<float*>(out));
+      break;
+    case LMLOSS_BF16:
+      store_vector_kernel<<<grid, 256, 0, stream>>>(acc, n, accumulate,
+                                                     static_cast<__nv_bfloat16*>(out));
+      break;
+    case LMLOSS_F16:
+      store_vector_kernel<<<grid, 256, 0, stream>>>(acc, n, accumulate, static_cast<__half*>(out));
+      break;
+    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
+  }
+  LMLOSS_CUDA_LAUNCHED("store_vector_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+}  // namespace lmloss::cuda

@@ -1,0 +1,100 @@
+// The fused row kernel of the losses: one block per token row of logits (a chunk of a linear
+// head, or the caller's logits), never more than that row resident.
+//
+//   stats pass   (forward, fused): one read of the row: online max and sum of exp(s - max), and
+//                sum_j s_j when label smoothing is on -> lse
+//   sparse reads: s at the label and at the teacher ids (kept in a scratch row, since an in-place
+//                gradient overwrites them) -> the token's loss
+//   grad pass    (backward, fused): one more read of the row, the gradient written over it (or
+//                into a separate buffer); the few sparse entries are fixed up after a barrier.
+//
+// So the fused forward+backward reads each logit twice and writes its gradient once; backward
+// from a saved lse reads it once. The arithmetic is core/row_math.hpp's, shared with the CPU.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/row_math.hpp"
+#include "cuda/common.cuh"
+#include "lmloss/lmloss.h"
+
+namespace lmloss::cuda {
+
+enum class RowWork { stats, stats_and_grad, grad_from_lse };
+
+struct LossRowsArgs {
+  RowWork work = RowWork::stats;
+  const void* logits = nullptr;  // (rows, vocab), row stride logits_ld
+  int64_t logits_ld = 0;
+  lmloss_dtype logits_dtype = LMLOSS_F32;
+  void* grad = nullptr;          // (rows, vocab), may be `logits` itself
+  int64_t grad_ld = 0;
+  lmloss_dtype grad_dtype = LMLOSS_F32;
+  const void* bias = nullptr;    // (vocab), added to every row (linear heads)
+  lmloss_dtype bias_dtype = LMLOSS_F32;
+
+  int64_t row0 = 0;              // token index of the chunk's first row
+  int64_t rows = 0;
+  int64_t vocab = 0;
+
+  const void* labels = nullptr;  // (n_tokens)
+  lmloss_dtype labels_dtype = LMLOSS_I32;
+  int64_t ignore_index = -100;
+  const uint8_t* mask = nullptr;  // (n_tokens)
+  const void* teacher_ids = nullptr;  // (n_tokens, top_k)
+  lmloss_dtype teacher_ids_dtype = LMLOSS_I32;
+  int64_t teacher_ids_ld = 0;
+  const float* teacher_probs = nullptr;  // (n_tokens, top_k)
+  int64_t teacher_probs_ld = 0;
+  int64_t top_k = 0;
+
+  float* token_loss = nullptr;   // (n_tokens): l_t of counted tokens, 0 otherwise, NaN for bad ids
+  float* lse_out = nullptr;      // (n_tokens), optional
+  const float* lse_in = nullptr; // (n_tokens), grad_from_lse
+  const float* grad_loss = nullptr;  // reduction none: (n_tokens); else unused (in scalars)
+  lmloss_reduction reduction = LMLOSS_REDUCTION_MEAN;
+  const CallScalars* scalars = nullptr;
+  int* error_flag = nullptr;
+  float* sparse_s = nullptr;     // (rows, top_k + 1) scratch: s at the label, then the teacher ids
+
+  core::LogitScale<float> scale{};
+  core::LossWeights<float> weights{};
+};
+
+// Enqueues the kernel on `stream`; LMLOSS_ERROR_UNSUPPORTED for a dtype pair it has no kernel for.
+lmloss_status launch_loss_rows(const LossRowsArgs& args, cudaStream_t stream);
+
+// Before the chunks: D (counted tokens), the upstream scalar and, for f16 gradients, the scale.
+struct PrepareArgs {
+  int64_t n_tokens = 0;
+  const void* labels = nullptr;
+  lmloss_dtype labels_dtype = LMLOSS_I32;
+  int64_t ignore_index = -100;
+  const uint8_t* mask = nullptr;
+  const float* grad_loss = nullptr;  // scalar (mean, sum) or (n_tokens) (none); null = 1
+  lmloss_reduction reduction = LMLOSS_REDUCTION_MEAN;
+  double normalizer = 0;
+  bool scale_gradient = false;        // f16 gradients: choose S
+  float max_row_factor = 1;           // bound on |dl/ds| / |g_t| for S
+  CallScalars* scalars = nullptr;
+};
+lmloss_status launch_prepare(const PrepareArgs& args, cudaStream_t stream);
+
+// After the chunks: loss = sum_t token_loss[t] * inv_denominator (mean, sum), in a fixed order.
+lmloss_status launch_reduce_loss(const float* token_loss, int64_t n_tokens,
+                                 const CallScalars* scalars, float* loss, cudaStream_t stream);
+
+// Bias gradient: acc[j] (+)= sum over rows of grad[r, j] (times inv_scale), rows in order.
+lmloss_status launch_column_sum(const void* grad, int64_t grad_ld, lmloss_dtype grad_dtype,
+                                int64_t rows, int64_t vocab, bool accumulate,
+                                const CallScalars* scalars, float* acc, cudaStream_t stream);
+// out[j] = float(in[j]) for a vector of f32/f16/bf16 (the bias, read once per call as f32).
+lmloss_status launch_to_f32(const void* in, lmloss_dtype dtype, int64_t n, float* out,
+                            cudaStream_t stream);
+// out[j] = acc[j] (+ out[j] when accumulating), converted to out's dtype.
+lmloss_status launch_store_vector(const float* acc, int64_t n, bool accumulate, void* out,
+                                  lmloss_dtype out_dtype, cudaStream_t stream);
+
+}  // namespace lmloss::cuda

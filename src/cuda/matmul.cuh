@@ -1,0 +1,78 @@
+// The three products of a linear head, through cuBLASLt on the tensor cores, in row-major terms:
+//
+//   logits    Z  (rows, vocab)   = X (rows, hidden) W^T          forward
+//   grad_x    dX (rows, hidden)  = dZ (rows, vocab) W            backward
+//   grad_w    dW (vocab, hidden) = dZ^T X  (+ dW when accumulating)
+//
+// cuBLASLt is column-major, so each row-major product is issued as its transpose. A descriptor,
+// its layouts and the algorithm the heuristic picks are made once per problem shape and cached in
+// the context's CUDA state. alpha and beta are device pointers: the f16 gradient scale is known
+// only on the device.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+#include "lmloss/lmloss.h"
+
+namespace lmloss::cuda {
+
+// One column-major product D (m, n) = alpha op(A) op(B) + beta C, C = D.
+struct MatmulShape {
+  int64_t m = 0, n = 0, k = 0;
+  int64_t lda = 0, ldb = 0, ldd = 0;
+  bool trans_a = false, trans_b = false;
+  lmloss_dtype ab_type = LMLOSS_BF16;  // A and B
+  lmloss_dtype d_type = LMLOSS_F32;
+  size_t workspace_bytes = 0;
+  // Alignment in bytes (a power of two, at most 256) of each pointer: the algorithm must not
+  // assume more than the caller's views give.
+  uint32_t align_a = 256, align_b = 256, align_d = 256;
+
+  auto key() const {
+    return std::tuple(m, n, k, lda, ldb, ldd, trans_a, trans_b, int(ab_type), int(d_type),
+                      workspace_bytes, align_a, align_b, align_d);
+  }
+  bool operator<(const MatmulShape& o) const { return key() < o.key(); }
+};
+
+struct MatmulPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+// The largest power of two (at most 256) dividing both the address and the column stride in
+// bytes: what every column of the matrix is aligned to.
+inline uint32_t matrix_alignment(const void* p, int64_t ld_bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(ld_bytes);
+  uint32_t align = 256;
+  while (align > 1 && (a % align) != 0) align >>= 1;
+  return align;
+}
+
+class MatmulCache {
+ public:
+  MatmulCache() = default;
+  MatmulCache(const MatmulCache&) = delete;
+  MatmulCache& operator=(const MatmulCache&) = delete;
+  ~MatmulCache();
+
+  // Creates the handle; LMLOSS_ERROR_BACKEND on failure.
+  lmloss_status init();
+  // D = alpha op(A) op(B) + beta D on `stream`; alpha and beta point to device floats. The
+  // shape's alignments are taken from the pointers.
+  lmloss_status run(MatmulShape shape, const void* a, const void* b, void* d,
+                    const float* alpha, const float* beta, void* workspace, cudaStream_t stream);
+
+ private:
+  lmloss_status plan(const MatmulShape& shape, const MatmulPlan** out);
+  cublasLtHandle_t handle_ = nullptr;
+  std::map<MatmulShape, MatmulPlan> plans_;
+};
+
+}  // namespace lmloss::cuda

@@ -1,0 +1,382 @@
+// GPU-only rules of the contract, on the CUDA backend: every option against the reference with
+// the rows split over many chunks, f16 gradients that would underflow unscaled, bitwise
+// determinism, the device-side id flag (reported once, context still usable), no host sync
+// inside a call, the workspace budget and a caller's allocator, and a case with N x V > 2^31.
+// Each test skips, saying why, where no CUDA device is usable.
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "harness.hpp"
+#include "lmloss/lmloss.hpp"
+
+namespace lmloss::test {
+namespace {
+
+class Cuda : public ::testing::Test {
+ protected:
+  void SetUp() override { LMLOSS_REQUIRE_DEVICE(Device::cuda); }
+  static LossSetup setup(lmloss_dtype dtype, lmloss_dtype grad_dtype) {
+    LossSetup s;
+    s.device = Device::cuda;
+    s.dtype = dtype;
+    s.grad_dtype = grad_dtype;
+    return s;
+  }
+  // A budget that holds about `rows` rows of a linear problem's chunk.
+  static size_t budget_for_rows(int64_t rows, int64_t vocab) { return 64 * 1024 + size_t(rows) * vocab * 6; }
+};
+
+lmloss_loss_options options_named(const std::string& name) {
+  lmloss_loss_options o = lmloss_loss_options_default();
+  if (name == "smoothing_zloss_softcap_temperature") {
+    o.label_smoothing = 0.1;
+    o.z_loss = 1e-3;
+    o.softcap = 15;
+    o.temperature = 1.7;
+  } else if (name == "distill_mixed") {
+    o.ce_weight = 0.5;
+    o.kd_weight = 0.7;
+  } else if (name == "sum") {
+    o.reduction = LMLOSS_REDUCTION_SUM;
+  } else if (name == "none") {
+    o.reduction = LMLOSS_REDUCTION_NONE;
+  } else if (name == "normalizer") {
+    o.normalizer = 1000;
+  }
+  return o;
+}
+
+// Every option, every input dtype, linear and logits heads, rows over several chunks.
+TEST_F(Cuda, EveryOptionAcrossChunksMatchesReference) {
+  Generator gen(4001);
+  const char* names[] = {"plain", "smoothing_zloss_softcap_temperature", "distill_mixed", "sum", "none",
+                         "normalizer"};
+  for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16, LMLOSS_F16}) {
+    for (const char* name : names) {
+      for (bool linear : {true, false}) {
+        SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + name + (linear ? " linear" : " logits"));
+        ProblemSpec spec{.n_tokens = 300, .vocab = 1999};
+        if (linear) {
+          spec.hidden = 72;
+          spec.bias = true;
+        }
+        const lmloss_loss_options o = options_named(name);
+        if (o.kd_weight != 0) spec.top_k = 8;
+        LossSetup s = setup(dtype, linear ? LMLOSS_F32 : dtype);
+        if (o.reduction == LMLOSS_REDUCTION_NONE) {
+          std::vector<double> up = gen.normal(spec.n_tokens);
+          s.upstream = up;
+        }
+        LossCase c(gen.problem(spec), o, s);
+        lmloss::Context ctx;
+        ctx.set_workspace_budget(budget_for_rows(64, spec.vocab));
+        for (Mode mode : {Mode::forward, Mode::backward, Mode::forward_backward}) {
+          ASSERT_EQ(c.run(ctx.get(), mode), LMLOSS_SUCCESS) << lmloss_last_error();
+          expect_matches_reference(c, mode);
+        }
+        EXPECT_LE(ctx.peak_workspace(), ctx.workspace_budget());
+      }
+    }
+  }
+}
+
+// Mean-reduced f16 gradients are ~1/N of O(1) values: without the power-of-two scale the
+// library applies before the products, most of dW would underflow in f16.
+TEST_F(Cuda, F16GradientsOfManyTokensKeepTheirSmallEntries) {
+  Generator gen(4002);
+  ProblemSpec spec{.n_tokens = 4096, .vocab = 509, .hidden = 64, .ignore_fraction = 0};
+  LossSetup s = setup(LMLOSS_F16, LMLOSS_F16);
+  s.want_grad_bias = false;
+  LossCase c(gen.problem(spec), lmloss_loss_options_default(), s);
+  lmloss::Context ctx;
+  ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  expect_matches_reference(c, Mode::forward_backward);
+}
+
+std::vector<double> all_outputs(const LossCase& c) {
+  std::vector<double> r;
+  for (const Buffer* b : c.outputs()) {
+    const std::vector<double> v = b->values();
+    r.insert(r.end(), v.begin(), v.end());
+  }
+  return r;
+}
+
+TEST_F(Cuda, RunsAreBitwiseIdentical) {
+  Generator gen(4003);
+  for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    ProblemSpec spec{.n_tokens = 512, .vocab = 4099, .hidden = 128, .bias = true, .top_k = 16};
+    lmloss_loss_options o = options_named("distill_mixed");
+    o.label_smoothing = 0.05;
+    LossCase c(gen.problem(spec), o, setup(dtype, LMLOSS_F32));
+    lmloss::Context ctx;
+    ctx.set_workspace_budget(budget_for_rows(100, spec.vocab));
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    const std::vector<double> first = all_outputs(c);
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_TRUE(bitwise_equal(first, all_outputs(c)));
+
+    lmloss_topk_options t = lmloss_topk_options_default();
+    t.k = 100;
+    t.renormalize = 0;
+    TopkSetup ts;
+    ts.device = Device::cuda;
+    ts.dtype = dtype;
+    TopkCase tc(gen.problem(spec), t, ts);
+    ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    const std::vector<int64_t> ids = tc.ids.ids();
+    const std::vector<double> probs = tc.probs.values();
+    ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_EQ(ids, tc.ids.ids());
+    EXPECT_TRUE(bitwise_equal(probs, tc.probs.values()));
+  }
+}
+
+// Top-k beyond what one block sorts in shared memory (the device-memory path), and rows full of
+// ties (the exact-threshold path), both against the reference.
+TEST_F(Cuda, TopkLargeKAndTiedRows) {
+  Generator gen(4004);
+  lmloss::Context ctx;
+  for (int64_t k : {int64_t(9000), int64_t(20000)}) {
+    SCOPED_TRACE("k " + std::to_string(k));
+    lmloss_topk_options t = lmloss_topk_options_default();
+    t.k = k;
+    t.renormalize = k == 9000 ? 0 : 1;
+    TopkSetup ts;
+    ts.device = Device::cuda;
+    TopkCase tc(gen.problem({.n_tokens = 5, .vocab = 30011}), t, ts);
+    ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_topk_matches_reference(tc, 0);
+  }
+  // Every logit one of three values: thousands of exact ties at the k-th value.
+  reference::Problem p = gen.problem({.n_tokens = 4, .vocab = 20000});
+  for (size_t i = 0; i < p.logits.size(); ++i) p.logits[i] = double(int64_t(i * 7919 % 3));
+  for (int64_t k : {int64_t(10), int64_t(7000), int64_t(12000)}) {
+    SCOPED_TRACE("tied, k " + std::to_string(k));
+    lmloss_topk_options t = lmloss_topk_options_default();
+    t.k = k;
+    TopkSetup ts;
+    ts.device = Device::cuda;
+    TopkCase tc(p, t, ts);
+    ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_topk_matches_reference(tc, 0);
+  }
+}
+
+// A label out of range cannot be seen before the call without reading the device: the call
+// succeeds, the token's loss is NaN and its gradient zero, synchronize reports it once, and the
+// context keeps working.
+TEST_F(Cuda, IdOutOfRangeIsReportedBySynchronizeAndTheContextRecovers) {
+  Generator gen(4005);
+  ProblemSpec spec{.n_tokens = 16, .vocab = 300, .ignore_fraction = 0, .top_k = 4};
+  lmloss_loss_options o = options_named("distill_mixed");
+  o.reduction = LMLOSS_REDUCTION_NONE;
+  LossCase c(gen.problem(spec), o, setup(LMLOSS_F32, LMLOSS_F32));
+  lmloss::Context ctx;
+  for (int which = 0; which < 2; ++which) {
+    SCOPED_TRACE(which == 0 ? "label" : "teacher id");
+    LossCase bad(c.problem(), o, setup(LMLOSS_F32, LMLOSS_F32));
+    const int64_t token = 5;
+    if (which == 0) bad.labels.set_id(token, spec.vocab + 7);
+    else bad.teacher_ids.set_id(token * spec.top_k + 2, -3);
+    const lmloss_status status = bad.invoke(ctx.get(), [&] {
+      const lmloss_head head = bad.head();
+      const lmloss_targets targets = bad.targets();
+      const lmloss_grads grads = bad.grads();
+      const lmloss_tensor loss = bad.loss_tensor(), lse = bad.lse_tensor();
+      return lmloss_loss_forward_backward(ctx.get(), &head, &targets, &bad.options, nullptr, &loss, &lse,
+                                          &grads);
+    });
+    EXPECT_EQ(status, LMLOSS_ERROR_ID_OUT_OF_RANGE) << lmloss_last_error();
+    EXPECT_TRUE(std::isnan(bad.loss.get(token)));
+    for (int64_t t = 0; t < spec.n_tokens; ++t) {
+      if (t != token) {
+        EXPECT_FALSE(std::isnan(bad.loss.get(t))) << "token " << t;
+      }
+    }
+    for (int64_t j = 0; j < spec.vocab; ++j) ASSERT_EQ(bad.grad_logits.get(token * spec.vocab + j), 0.0);
+    // Reported once; the next calls on the same context are clean and right.
+    EXPECT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS);
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_matches_reference(c, Mode::forward_backward);
+  }
+}
+
+void CUDART_CB hold_stream(void* milliseconds) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<int*>(milliseconds)));
+}
+
+// With the stream held by earlier work, a call must return at once, its work still queued. The
+// stream is a blocking one, so the harness's copies (on the legacy stream) are ordered with it,
+// and any hidden use of the legacy stream inside the call would wait for the hold too.
+TEST_F(Cuda, CallsDoNotWaitForTheStream) {
+  Generator gen(4006);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  for (bool linear : {true, false}) {
+    SCOPED_TRACE(linear ? "linear" : "logits");
+    ProblemSpec spec{.n_tokens = 256, .vocab = 3001, .top_k = 4};
+    if (linear) spec.hidden = 64;
+    LossCase c(gen.problem(spec), options_named("distill_mixed"),
+               setup(LMLOSS_BF16, linear ? LMLOSS_F32 : LMLOSS_BF16));
+    lmloss::Context ctx;
+    ctx.set_stream(stream);
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();  // warm: plans made
+    static int hold_ms = 400;
+    ASSERT_EQ(cudaLaunchHostFunc(stream, hold_stream, &hold_ms), cudaSuccess);
+    const auto start = std::chrono::steady_clock::now();
+    const lmloss_status status = [&] {
+      const lmloss_head head = c.head();
+      const lmloss_targets targets = c.targets();
+      const lmloss_grads grads = c.grads();
+      const lmloss_tensor loss = c.loss_tensor(), lse = c.lse_tensor();
+      return lmloss_loss_forward_backward(ctx.get(), &head, &targets, &c.options, nullptr, &loss, &lse, &grads);
+    }();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    const cudaError_t pending = cudaStreamQuery(stream);
+    EXPECT_EQ(status, LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_EQ(pending, cudaErrorNotReady) << "the call waited for the stream";
+    EXPECT_LT(ms, 200.0) << "the call took as long as the held stream";
+    EXPECT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_EQ(cudaStreamQuery(stream), cudaSuccess);
+  }
+  cudaStreamDestroy(stream);
+}
+
+struct CountingAllocator {
+  int allocs = 0, frees = 0;
+  size_t largest = 0;
+  static void* alloc(void* user, size_t bytes, int32_t, void* stream) {
+    auto* self = static_cast<CountingAllocator*>(user);
+    void* p = nullptr;
+    if (cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream)) != cudaSuccess) return nullptr;
+    ++self->allocs;
+    self->largest = std::max(self->largest, bytes);
+    return p;
+  }
+  static void free(void* user, void* p, size_t, int32_t, void* stream) {
+    ++static_cast<CountingAllocator*>(user)->frees;
+    cudaFreeAsync(p, static_cast<cudaStream_t>(stream));
+  }
+};
+
+TEST_F(Cuda, WorkspaceStaysWithinBudgetAndComesFromTheCallersAllocator) {
+  Generator gen(4007);
+  ProblemSpec spec{.n_tokens = 1000, .vocab = 8191, .hidden = 96, .bias = true};
+  LossCase c(gen.problem(spec), lmloss_loss_options_default(), setup(LMLOSS_BF16, LMLOSS_F32));
+  for (size_t budget : {size_t(1) << 20, size_t(8) << 20, size_t(1) << 30}) {
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    lmloss::Context ctx;
+    ctx.set_workspace_budget(budget);
+    CountingAllocator counter;
+    const lmloss_allocator allocator{&CountingAllocator::alloc, &CountingAllocator::free, &counter};
+    ctx.set_allocator(&allocator);
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_matches_reference(c, Mode::forward_backward);
+    EXPECT_GT(ctx.peak_workspace(), 0u);
+    EXPECT_LE(ctx.peak_workspace(), budget);
+    EXPECT_GT(counter.allocs, 0);
+    EXPECT_EQ(counter.allocs, counter.frees);
+    EXPECT_LE(counter.largest, budget);
+  }
+  // A budget too small for one row fails before anything is written.
+  lmloss::Context tiny;
+  tiny.set_workspace_budget(4096);
+  EXPECT_EQ(c.forward_backward(tiny.get()), LMLOSS_ERROR_INVALID_ARGUMENT);
+}
+
+TEST_F(Cuda, F64IsRejectedWithAMessage) {
+  Generator gen(4008);
+  LossCase c(gen.problem({.n_tokens = 4, .vocab = 50}), lmloss_loss_options_default(),
+             setup(LMLOSS_F64, LMLOSS_F64));
+  lmloss::Context ctx;
+  EXPECT_EQ(c.forward(ctx.get()), LMLOSS_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(lmloss_last_error()).find("f64"), std::string::npos) << lmloss_last_error();
+}
+
+// bf16 logits of N x V > 2^31 elements, the gradient in place. Rows repeat a pool of random rows,
+// so the rows past 2^31 elements are checked against the reference of their pool row.
+TEST_F(Cuda, SixtyFourBitIndexing) {
+  const int64_t vocab = 131072, n_tokens = 16400, pool = 8;
+  ASSERT_GT(double(vocab) * double(n_tokens), 2147483648.0);
+  Generator gen(4009);
+  reference::Problem rows = rounded(gen.problem({.n_tokens = pool, .vocab = vocab, .ignore_fraction = 0}),
+                                    LMLOSS_BF16);
+  std::vector<uint16_t> host(size_t(pool) * vocab);
+  for (size_t i = 0; i < host.size(); ++i) {
+    const float f = float(rows.logits[i]);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    host[i] = uint16_t(u >> 16);  // exact: the values are already bf16
+  }
+  const size_t row_bytes = size_t(vocab) * 2;
+  void* logits = nullptr;
+  ASSERT_EQ(cudaMalloc(&logits, row_bytes * n_tokens), cudaSuccess);
+  for (int64_t t = 0; t < n_tokens; ++t)
+    ASSERT_EQ(cudaMemcpy(static_cast<char*>(logits) + row_bytes * t, host.data() + (t % pool) * vocab, row_bytes,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+  std::vector<int32_t> labels(n_tokens);
+  for (int64_t t = 0; t < n_tokens; ++t) labels[t] = int32_t(rows.labels[t % pool]);
+  int32_t* d_labels = nullptr;
+  float *d_loss = nullptr, *d_lse = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_labels, 4 * n_tokens), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_loss, 4 * n_tokens), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_lse, 4 * n_tokens), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_labels, labels.data(), 4 * n_tokens, cudaMemcpyHostToDevice), cudaSuccess);
+
+  auto device_tensor = [](lmloss_tensor t) {
+    t.device_type = LMLOSS_DEVICE_CUDA;
+    return t;
+  };
+  lmloss_head head{};
+  head.logits = device_tensor(lmloss_tensor_2d(logits, LMLOSS_BF16, n_tokens, vocab, 0));
+  lmloss_targets targets{};
+  targets.labels = device_tensor(lmloss_tensor_1d(d_labels, LMLOSS_I32, n_tokens));
+  lmloss_grads grads{};
+  grads.grad_logits = head.logits;  // in place
+  lmloss_loss_options o = lmloss_loss_options_default();
+  o.reduction = LMLOSS_REDUCTION_NONE;
+  const lmloss_tensor loss = device_tensor(lmloss_tensor_1d(d_loss, LMLOSS_F32, n_tokens));
+  const lmloss_tensor lse = device_tensor(lmloss_tensor_1d(d_lse, LMLOSS_F32, n_tokens));
+  lmloss::Context ctx;
+  ASSERT_EQ(lmloss_loss_forward_backward(ctx.get(), &head, &targets, &o, nullptr, &loss, &lse, &grads),
+            LMLOSS_SUCCESS)
+      << lmloss_last_error();
+  ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+
+  const reference::LossResult ref = reference::loss(rows, o);
+  std::vector<float> got_loss(n_tokens);
+  ASSERT_EQ(cudaMemcpy(got_loss.data(), d_loss, 4 * n_tokens, cudaMemcpyDeviceToHost), cudaSuccess);
+  std::vector<uint16_t> got_row(vocab);
+  for (int64_t t : {int64_t(0), n_tokens - pool - 1, n_tokens - 1}) {
+    SCOPED_TRACE("token " + std::to_string(t));
+    const int64_t p = t % pool;
+    EXPECT_TRUE(close_to({double(got_loss[t])}, {ref.loss[p]}, tolerance(LMLOSS_F32)));
+    ASSERT_EQ(cudaMemcpy(got_row.data(), static_cast<char*>(logits) + row_bytes * t, row_bytes,
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    std::vector<double> grad(vocab), want(vocab);
+    for (int64_t j = 0; j < vocab; ++j) {
+      const uint32_t u = uint32_t(got_row[j]) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      grad[j] = f;
+      want[j] = ref.grad_logits[p * vocab + j];
+    }
+    EXPECT_TRUE(close_to(grad, want, tolerance(LMLOSS_BF16)));
+  }
+  cudaFree(logits);
+  cudaFree(d_labels);
+  cudaFree(d_loss);
+  cudaFree(d_lse);
+}
+
+}  // namespace
+}  // namespace lmloss::test

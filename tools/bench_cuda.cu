@@ -1,0 +1,664 @@
+// The CUDA paths of `lmloss bench` (bench.hpp), with cuBLASLt products in the inputs' dtype and
+// f32 accumulation, all on one stream:
+//   floor:  Z = X W^T, dX = Z W, dW = Z^T X       (Z stands in for its gradient; dW in f32)
+//   naive:  Z = X W^T into a (tokens, vocab) buffer of the input dtype; loss and dZ by lmloss's
+//           logits path into a second such buffer; dX = dZ W; dW = dZ^T X
+//   fused:  lmloss_loss_forward_backward(hidden, weight) -> loss, dX (input dtype), dW (f32)
+//
+// Built with -DLMLOSS_BENCH_CUDA_MAIN the file is instead a program of its own that times every
+// mode of the issue on one preset (fused fwd+bwd with dX and dW, dX only, forward only, top-k,
+// top-k distillation) against its own floor of bare products, and the fused step over a range of
+// workspace budgets; CUDA events, L2 flushed before every timed run, median of the repeats.
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "lmloss/lmloss.h"
+
+namespace lmloss::tools {
+namespace {
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+void lt_check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string(what) + ": " + cublasLtGetStatusString(s));
+}
+
+// A small C++17 layer over the C API (lmloss.hpp needs C++20; CUDA sources build as C++17).
+void api_check(lmloss_status s) {
+  if (s != LMLOSS_SUCCESS) throw std::runtime_error(std::string("lmloss: ") + lmloss_last_error());
+}
+class Ctx {
+ public:
+  Ctx() { api_check(lmloss_context_create(&c_)); }
+  ~Ctx() { lmloss_context_destroy(c_); }
+  Ctx(const Ctx&) = delete;
+  Ctx& operator=(const Ctx&) = delete;
+  lmloss_context* get() const { return c_; }
+  void set_stream(cudaStream_t s) { api_check(lmloss_context_set_stream(c_, s)); }
+  void set_workspace_budget(size_t b) { api_check(lmloss_context_set_workspace_budget(c_, b)); }
+  size_t workspace_budget() const {
+    size_t b = 0;
+    api_check(lmloss_context_get_workspace_budget(c_, &b));
+    return b;
+  }
+  size_t peak_workspace() const {
+    size_t b = 0;
+    api_check(lmloss_context_get_peak_workspace(c_, &b));
+    return b;
+  }
+  void reset_peak_workspace() { api_check(lmloss_context_reset_peak_workspace(c_)); }
+  void synchronize() { api_check(lmloss_context_synchronize(c_)); }
+
+ private:
+  lmloss_context* c_ = nullptr;
+};
+// Descriptors of device memory.
+lmloss_tensor on_device(lmloss_tensor t) {
+  t.device_type = LMLOSS_DEVICE_CUDA;
+  return t;
+}
+lmloss_tensor dev_matrix(void* p, lmloss_dtype d, int64_t rows, int64_t cols) {
+  return on_device(lmloss_tensor_2d(p, d, rows, cols, 0));
+}
+lmloss_tensor dev_vector(void* p, lmloss_dtype d, int64_t n) { return on_device(lmloss_tensor_1d(p, d, n)); }
+lmloss_tensor dev_scalar(void* p, lmloss_dtype d) { return on_device(lmloss_tensor_scalar(p, d)); }
+lmloss_head linear_head(lmloss_tensor x, lmloss_tensor w) {
+  lmloss_head h{};
+  h.logits = h.bias = lmloss_tensor_none();
+  h.hidden = x;
+  h.weight = w;
+  return h;
+}
+lmloss_targets make_targets(lmloss_tensor labels, lmloss_tensor ids, lmloss_tensor probs) {
+  lmloss_targets t{};
+  t.labels = labels;
+  t.teacher_ids = ids;
+  t.teacher_probs = probs;
+  t.token_mask = lmloss_tensor_none();
+  return t;
+}
+lmloss_grads make_grads(lmloss_tensor gl, lmloss_tensor gx, lmloss_tensor gw) {
+  lmloss_grads g{};
+  g.grad_logits = gl;
+  g.grad_hidden = gx;
+  g.grad_weight = gw;
+  g.grad_bias = lmloss_tensor_none();
+  return g;
+}
+void forward_backward(Ctx& ctx, const lmloss_head& h, const lmloss_targets& t, const lmloss_loss_options& o,
+                      lmloss_tensor loss, const lmloss_grads& g) {
+  const lmloss_tensor none = lmloss_tensor_none();
+  api_check(lmloss_loss_forward_backward(ctx.get(), &h, &t, &o, &none, &loss, &none, &g));
+}
+
+cudaDataType_t cuda_type(lmloss_dtype d) {
+  return d == LMLOSS_BF16 ? CUDA_R_16BF : d == LMLOSS_F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+size_t type_size(lmloss_dtype d) { return d == LMLOSS_F32 ? 4 : 2; }
+
+// Row-major products through cuBLASLt, each planned once (descriptor, layouts, algorithm).
+class Products {
+ public:
+  Products() { lt_check(cublasLtCreate(&handle_), "cublasLtCreate"); }
+  ~Products() {
+    for (auto& [key, p] : plans_) {
+      cublasLtMatrixLayoutDestroy(p.a);
+      cublasLtMatrixLayoutDestroy(p.b);
+      cublasLtMatrixLayoutDestroy(p.c);
+      cublasLtMatmulDescDestroy(p.desc);
+    }
+    if (workspace_) cudaFree(workspace_);
+    cublasLtDestroy(handle_);
+  }
+  // Row-major C (m, n) = A (m, k) B (k, n) [+ C], where A is stored transposed when a_t (as
+  // (k, m)) and B when b_t (as (n, k)); all contiguous.
+  void run(int64_t m, int64_t n, int64_t k, bool a_t, bool b_t, const void* a, const void* b, void* c,
+           lmloss_dtype ab, lmloss_dtype c_type, cudaStream_t stream, float beta = 0.f) {
+    if (!workspace_) cuda_check(cudaMalloc(&workspace_, kWorkspace), "cudaMalloc workspace");
+    // Column-major view: C^T (n, m) = op(B)^T (n, k) op(A)^T (k, m).
+    const auto key = std::make_tuple(m, n, k, a_t, b_t, int(ab), int(c_type));
+    auto it = plans_.find(key);
+    if (it == plans_.end()) {
+      Plan p;
+      lt_check(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+      const cublasOperation_t ta = b_t ? CUBLAS_OP_T : CUBLAS_OP_N;  // first operand: B^T
+      const cublasOperation_t tb = a_t ? CUBLAS_OP_T : CUBLAS_OP_N;
+      lt_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "transa");
+      lt_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "transb");
+      // First operand B^T: col-major (n, k); stored B row-major (k, n) = col-major (n, k), ld n;
+      // stored transposed (n, k) row-major = col-major (k, n), ld k.
+      if (b_t) lt_check(cublasLtMatrixLayoutCreate(&p.a, cuda_type(ab), k, n, k), "layout");
+      else lt_check(cublasLtMatrixLayoutCreate(&p.a, cuda_type(ab), n, k, n), "layout");
+      if (a_t) lt_check(cublasLtMatrixLayoutCreate(&p.b, cuda_type(ab), m, k, m), "layout");
+      else lt_check(cublasLtMatrixLayoutCreate(&p.b, cuda_type(ab), k, m, k), "layout");
+      lt_check(cublasLtMatrixLayoutCreate(&p.c, cuda_type(c_type), n, m, n), "layout");
+      cublasLtMatmulPreference_t pref;
+      lt_check(cublasLtMatmulPreferenceCreate(&pref), "pref");
+      const uint64_t ws = kWorkspace;
+      lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
+               "pref ws");
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      lt_check(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found),
+               "heuristic");
+      cublasLtMatmulPreferenceDestroy(pref);
+      if (!found) throw std::runtime_error("cuBLASLt: no algorithm");
+      p.algo = result.algo;
+      it = plans_.emplace(key, p).first;
+    }
+    const Plan& p = it->second;
+    const float alpha = 1.f;
+    lt_check(cublasLtMatmul(handle_, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &p.algo, workspace_,
+                            kWorkspace, stream),
+             "cublasLtMatmul");
+  }
+
+ private:
+  struct Plan {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+  };
+  static constexpr size_t kWorkspace = size_t(32) << 20;
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  std::map<std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int>, Plan> plans_;
+};
+
+// Device memory that frees itself.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) : bytes(n) { cuda_check(cudaMalloc(&ptr, std::max<size_t>(n, 1)), "cudaMalloc"); }
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(std::exchange(o.ptr, nullptr)), bytes(o.bytes) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(ptr, o.ptr);
+    std::swap(bytes, o.bytes);
+    return *this;
+  }
+};
+
+// Writes over a buffer larger than the L2 so a timed run starts with a cold cache.
+class L2Flush {
+ public:
+  L2Flush() : buffer_(size_t(256) << 20) {}
+  void run(cudaStream_t stream) { cuda_check(cudaMemsetAsync(buffer_.ptr, 0, buffer_.bytes, stream), "flush"); }
+
+ private:
+  DeviceBuffer buffer_;
+};
+
+std::string device_description() {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return "unknown CUDA device";
+  return std::string(prop.name) + ", " + std::to_string(prop.multiProcessorCount) + " SMs, " +
+         std::to_string(prop.totalGlobalMem >> 30) + " GiB";
+}
+
+}  // namespace
+}  // namespace lmloss::tools
+
+#if !defined(LMLOSS_BENCH_CUDA_MAIN)
+
+#include "bench.hpp"
+
+namespace lmloss::tools {
+
+// From common.hpp, declared here: that header needs C++20 and CUDA sources build as C++17.
+std::string cuda_unavailable_reason();
+void decode(lmloss_dtype dtype, const void* in, int64_t n, double* values);
+
+namespace {
+
+class CudaBench final : public BenchBackend {
+ public:
+  CudaBench() { cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); }
+  ~CudaBench() override { cudaStreamDestroy(stream_); }
+  std::string name() const override { return "cuda"; }
+  std::string device() const override { return device_description(); }
+
+  void prepare(const BenchProblem& problem, const BenchInputs& in) override {
+    p_ = problem;
+    const size_t n = p_.tokens, v = p_.vocab, h = p_.hidden, es = type_size(p_.dtype);
+    x_ = DeviceBuffer(n * h * es);
+    w_ = DeviceBuffer(v * h * es);
+    cuda_check(cudaMemcpy(x_.ptr, in.hidden.data(), x_.bytes, cudaMemcpyHostToDevice), "upload X");
+    cuda_check(cudaMemcpy(w_.ptr, in.weight.data(), w_.bytes, cudaMemcpyHostToDevice), "upload W");
+    labels_ = DeviceBuffer(n * 4);
+    cuda_check(cudaMemcpy(labels_.ptr, in.labels.data(), n * 4, cudaMemcpyHostToDevice), "upload labels");
+    if (p_.loss == BenchLoss::distill) {
+      ids_ = DeviceBuffer(n * p_.top_k * 4);
+      probs_ = DeviceBuffer(n * p_.top_k * 4);
+      cuda_check(cudaMemcpy(ids_.ptr, in.teacher_ids.data(), ids_.bytes, cudaMemcpyHostToDevice), "upload ids");
+      cuda_check(cudaMemcpy(probs_.ptr, in.teacher_probs.data(), probs_.bytes, cudaMemcpyHostToDevice),
+                 "upload probs");
+    }
+    logits_ = DeviceBuffer(n * v * es);
+    grad_logits_ = DeviceBuffer(n * v * es);
+    dx_ = DeviceBuffer(n * h * es);
+    dw_ = DeviceBuffer(v * h * 4);
+    loss_ = DeviceBuffer(4);
+    fused_dx_ = DeviceBuffer(n * h * es);
+    fused_dw_ = DeviceBuffer(v * h * 4);
+    fused_loss_ = DeviceBuffer(4);
+    ctx_.set_stream(stream_);
+    naive_ctx_.set_stream(stream_);
+    if (p_.budget_bytes) ctx_.set_workspace_budget(p_.budget_bytes);
+    // The naive path holds all its logits itself; its row pass may take what it needs.
+    naive_ctx_.set_workspace_budget(size_t(8) << 30);
+  }
+
+  void floor() override {
+    const int64_t n = p_.tokens, v = p_.vocab, h = p_.hidden;
+    products_.run(n, v, h, false, true, x_.ptr, w_.ptr, logits_.ptr, p_.dtype, p_.dtype, stream_);
+    products_.run(n, h, v, false, false, logits_.ptr, w_.ptr, dx_.ptr, p_.dtype, p_.dtype, stream_);
+    products_.run(v, h, n, true, false, logits_.ptr, x_.ptr, dw_.ptr, p_.dtype, LMLOSS_F32, stream_);
+  }
+
+  void naive() override {
+    const int64_t n = p_.tokens, v = p_.vocab, h = p_.hidden;
+    const lmloss_dtype dt = p_.dtype;
+    products_.run(n, v, h, false, true, x_.ptr, w_.ptr, logits_.ptr, dt, dt, stream_);
+    lmloss_head head{};
+    head.logits = dev_matrix(logits_.ptr, dt, n, v);
+    head.hidden = head.weight = head.bias = lmloss_tensor_none();
+    const lmloss_tensor none = lmloss_tensor_none();
+    const lmloss_grads grads = make_grads(dev_matrix(grad_logits_.ptr, dt, n, v), none, none);
+    naive_ctx_.reset_peak_workspace();
+    forward_backward(naive_ctx_, head, targets(), bench_loss_options(p_), dev_scalar(loss_.ptr, LMLOSS_F32), grads);
+    products_.run(n, h, v, false, false, grad_logits_.ptr, w_.ptr, dx_.ptr, dt, dt, stream_);
+    products_.run(v, h, n, true, false, grad_logits_.ptr, x_.ptr, dw_.ptr, dt, LMLOSS_F32, stream_);
+    naive_peak_ = std::max(naive_peak_, logits_.bytes + grad_logits_.bytes + naive_ctx_.peak_workspace());
+  }
+
+  void fused() override {
+    const lmloss_dtype dt = p_.dtype;
+    const lmloss_head head =
+        linear_head(dev_matrix(x_.ptr, dt, p_.tokens, p_.hidden), dev_matrix(w_.ptr, dt, p_.vocab, p_.hidden));
+    const lmloss_grads grads = make_grads(lmloss_tensor_none(), dev_matrix(fused_dx_.ptr, dt, p_.tokens, p_.hidden),
+                                          dev_matrix(fused_dw_.ptr, LMLOSS_F32, p_.vocab, p_.hidden));
+    ctx_.reset_peak_workspace();
+    forward_backward(ctx_, head, targets(), bench_loss_options(p_), dev_scalar(fused_loss_.ptr, LMLOSS_F32), grads);
+    fused_peak_ = std::max(fused_peak_, ctx_.peak_workspace());
+  }
+
+  void synchronize() override {
+    cuda_check(cudaStreamSynchronize(stream_), "synchronize");
+    ctx_.synchronize();
+  }
+  // Synchronous, so the host timer around the next path does not count the flush.
+  void flush_caches() override {
+    flush_.run(stream_);
+    cuda_check(cudaStreamSynchronize(stream_), "flush");
+  }
+
+  size_t naive_peak_bytes() const override { return naive_peak_; }
+  size_t fused_peak_bytes() const override { return fused_peak_; }
+
+  BenchOutputs naive_outputs() override { return outputs(loss_, dx_, dw_); }
+  BenchOutputs fused_outputs() override { return outputs(fused_loss_, fused_dx_, fused_dw_); }
+
+ private:
+  lmloss_targets targets() const {
+    const lmloss_tensor labels = dev_vector(labels_.ptr, LMLOSS_I32, p_.tokens);
+    if (p_.loss != BenchLoss::distill) return make_targets(labels, lmloss_tensor_none(), lmloss_tensor_none());
+    return make_targets(labels, dev_matrix(ids_.ptr, LMLOSS_I32, p_.tokens, p_.top_k),
+                        dev_matrix(probs_.ptr, LMLOSS_F32, p_.tokens, p_.top_k));
+  }
+
+  BenchOutputs outputs(const DeviceBuffer& loss, const DeviceBuffer& dx, const DeviceBuffer& dw) {
+    cuda_check(cudaStreamSynchronize(stream_), "synchronize");
+    BenchOutputs out;
+    float l = 0;
+    cuda_check(cudaMemcpy(&l, loss.ptr, 4, cudaMemcpyDeviceToHost), "download loss");
+    out.loss = l;
+    std::vector<uint8_t> raw(dx.bytes);
+    cuda_check(cudaMemcpy(raw.data(), dx.ptr, dx.bytes, cudaMemcpyDeviceToHost), "download dX");
+    const int64_t count = p_.tokens * p_.hidden;
+    std::vector<double> values(count);
+    decode(p_.dtype, raw.data(), count, values.data());
+    out.grad_hidden.assign(values.begin(), values.end());
+    out.grad_weight.resize(p_.vocab * p_.hidden);
+    cuda_check(cudaMemcpy(out.grad_weight.data(), dw.ptr, dw.bytes, cudaMemcpyDeviceToHost), "download dW");
+    return out;
+  }
+
+  BenchProblem p_;
+  cudaStream_t stream_ = nullptr;
+  Products products_;
+  L2Flush flush_;
+  Ctx ctx_, naive_ctx_;
+  DeviceBuffer x_, w_, labels_, ids_, probs_;
+  DeviceBuffer logits_, grad_logits_, dx_, dw_, loss_;  // (tokens, vocab) x2: naive and floor
+  DeviceBuffer fused_dx_, fused_dw_, fused_loss_;
+  size_t naive_peak_ = 0, fused_peak_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<BenchBackend> make_cuda_bench(std::string& reason) {
+  reason = cuda_unavailable_reason();
+  if (!reason.empty()) return nullptr;
+  return std::make_unique<CudaBench>();
+}
+
+}  // namespace lmloss::tools
+
+#else  // LMLOSS_BENCH_CUDA_MAIN: every mode of the issue on one preset
+
+#include <cmath>
+
+namespace lmloss::tools {
+namespace {
+
+// Deterministic pseudo-random inputs made on the device (the host would take minutes).
+__device__ uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+__device__ float uniform01(uint64_t x) { return (float((mix(x) >> 40) + 1)) * (1.0f / 16777217.0f); }
+
+template <typename T>
+__global__ void fill_normal_kernel(T* out, int64_t n, uint64_t seed, float stddev) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float u1 = uniform01(seed * 0x100000001b3ull + 2 * i), u2 = uniform01(seed * 0x100000001b3ull + 2 * i + 1);
+    const float z = sqrtf(-2.f * logf(u1)) * cospif(2.f * u2) * stddev;
+    if constexpr (sizeof(T) == 4) out[i] = z;
+    else out[i] = T(z);
+  }
+}
+
+void fill_normal(void* out, lmloss_dtype dt, int64_t n, uint64_t seed, float stddev) {
+  const unsigned blocks = 4096;
+  if (dt == LMLOSS_BF16) fill_normal_kernel<<<blocks, 256>>>(static_cast<__nv_bfloat16*>(out), n, seed, stddev);
+  else if (dt == LMLOSS_F16) fill_normal_kernel<<<blocks, 256>>>(static_cast<__half*>(out), n, seed, stddev);
+  else fill_normal_kernel<<<blocks, 256>>>(static_cast<float*>(out), n, seed, stddev);
+  cuda_check(cudaGetLastError(), "fill_normal");
+}
+
+struct Preset {
+  const char* name;
+  int64_t tokens, hidden, vocab;
+};
+constexpr Preset kPresets[] = {{"small", 512, 1024, 32000},
+                               {"llama3-8b", 8192, 4096, 128256},
+                               {"gemma2-2b", 8192, 2304, 256000}};
+
+struct Row {
+  std::string mode;
+  double budget_gib;
+  double ms, floor_ms, peak_gib;
+  int repeats;
+};
+
+class ModesBench {
+ public:
+  ModesBench(int64_t n, int64_t h, int64_t v, lmloss_dtype dt, int repeats)
+      : n_(n), h_(h), v_(v), dt_(dt), repeats_(repeats) {
+    cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
+    const size_t es = type_size(dt);
+    x_ = DeviceBuffer(n * h * es);
+    w_ = DeviceBuffer(v * h * es);
+    fill_normal(x_.ptr, dt, n * h, 1, 1.f);
+    fill_normal(w_.ptr, dt, v * h, 2, 2.f / std::sqrt(float(h)));
+    std::vector<int32_t> labels(n), ids(n * kTeacherK);
+    std::vector<float> probs(n * kTeacherK);
+    uint64_t state = 12345;
+    auto next = [&] {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      return state >> 33;
+    };
+    for (int64_t t = 0; t < n; ++t) {
+      labels[t] = int32_t(next() % v);
+      const int64_t base = int64_t(next() % v);
+      double mass = 0;
+      for (int k = 0; k < kTeacherK; ++k) mass += probs[t * kTeacherK + k] = float(next() % 1000 + 1);
+      for (int k = 0; k < kTeacherK; ++k) {
+        ids[t * kTeacherK + k] = int32_t((base + int64_t(k) * 7919) % v);  // distinct: 7919 is prime
+        probs[t * kTeacherK + k] = float(probs[t * kTeacherK + k] / mass);
+      }
+    }
+    labels_ = upload(labels.data(), labels.size() * 4);
+    ids_ = upload(ids.data(), ids.size() * 4);
+    probs_ = upload(probs.data(), probs.size() * 4);
+    dx_ = DeviceBuffer(n * h * es);
+    dw_ = DeviceBuffer(v * h * 4);
+    loss_ = DeviceBuffer(4);
+    topk_ids_ = DeviceBuffer(n * kTopkMax * 4);
+    topk_probs_ = DeviceBuffer(n * kTopkMax * 4);
+    cuda_check(cudaDeviceSynchronize(), "inputs");
+  }
+  ~ModesBench() { cudaStreamDestroy(stream_); }
+
+  // Median milliseconds of `repeats` runs of f, each after an L2 flush, timed by events.
+  template <typename F>
+  double time(F&& f) {
+    cudaEvent_t start, stop;
+    cuda_check(cudaEventCreate(&start), "event");
+    cuda_check(cudaEventCreate(&stop), "event");
+    std::vector<double> times;
+    for (int r = -1; r < repeats_; ++r) {  // r = -1: warm-up (plans, pools)
+      flush_.run(stream_);
+      cuda_check(cudaEventRecord(start, stream_), "record");
+      f();
+      cuda_check(cudaEventRecord(stop, stream_), "record");
+      cuda_check(cudaEventSynchronize(stop), "sync");
+      float ms = 0;
+      cuda_check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+      if (r >= 0) times.push_back(ms);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  }
+
+  // The floor: the bare products of `count` kinds (1: forward; 2: + dX; 3: + dW).
+  double floor_ms(int count) {
+    if (!z_.ptr) z_ = DeviceBuffer(n_ * v_ * type_size(dt_));
+    return time([&] {
+      products_.run(n_, v_, h_, false, true, x_.ptr, w_.ptr, z_.ptr, dt_, dt_, stream_);
+      if (count >= 2) products_.run(n_, h_, v_, false, false, z_.ptr, w_.ptr, dx_.ptr, dt_, dt_, stream_);
+      if (count >= 3) products_.run(v_, h_, n_, true, false, z_.ptr, x_.ptr, dw_.ptr, dt_, LMLOSS_F32, stream_);
+    });
+  }
+  void free_floor() { z_ = DeviceBuffer(); }
+
+  Row loss_mode(const std::string& mode, size_t budget) {
+    Ctx ctx;
+    ctx.set_stream(stream_);
+    if (budget) ctx.set_workspace_budget(budget);
+    const bool distill = mode == "distill64";
+    const bool want_dw = mode == "fwd_bwd" || distill;
+    const bool want_dx = want_dw || mode == "dx_only";
+    lmloss_loss_options o = lmloss_loss_options_default();
+    if (distill) {
+      o.ce_weight = 0;
+      o.kd_weight = 1;
+    }
+    const lmloss_head head = linear_head(dev_matrix(x_.ptr, dt_, n_, h_), dev_matrix(w_.ptr, dt_, v_, h_));
+    const lmloss_tensor labels = dev_vector(labels_.ptr, LMLOSS_I32, n_);
+    const lmloss_tensor none = lmloss_tensor_none();
+    const lmloss_targets targets =
+        distill ? make_targets(labels, dev_matrix(ids_.ptr, LMLOSS_I32, n_, kTeacherK),
+                               dev_matrix(probs_.ptr, LMLOSS_F32, n_, kTeacherK))
+                : make_targets(labels, none, none);
+    const lmloss_grads g = make_grads(none, want_dx ? dev_matrix(dx_.ptr, dt_, n_, h_) : none,
+                                      want_dw ? dev_matrix(dw_.ptr, LMLOSS_F32, v_, h_) : none);
+    const lmloss_tensor loss = dev_scalar(loss_.ptr, LMLOSS_F32);
+    const bool forward_only = mode == "forward";
+    const double ms = time([&] {
+      if (forward_only)
+        api_check(lmloss_loss_forward(ctx.get(), &head, &targets, &o, &loss, &none));
+      else
+        forward_backward(ctx, head, targets, o, loss, g);
+    });
+    ctx.synchronize();
+    float l = 0;
+    cuda_check(cudaMemcpy(&l, loss_.ptr, 4, cudaMemcpyDeviceToHost), "loss");
+    if (!std::isfinite(l)) throw std::runtime_error(mode + ": the loss is not finite");
+    return {mode, double(ctx.workspace_budget()) / double(1 << 30), ms, 0, double(ctx.peak_workspace()) / double(1 << 30),
+            repeats_};
+  }
+
+  Row topk_mode(int64_t k, size_t budget) {
+    Ctx ctx;
+    ctx.set_stream(stream_);
+    if (budget) ctx.set_workspace_budget(budget);
+    const lmloss_head head = linear_head(dev_matrix(x_.ptr, dt_, n_, h_), dev_matrix(w_.ptr, dt_, v_, h_));
+    lmloss_topk_options o = lmloss_topk_options_default();
+    o.k = k;
+    const lmloss_tensor ids = dev_matrix(topk_ids_.ptr, LMLOSS_I32, n_, k);
+    const lmloss_tensor probs = dev_matrix(topk_probs_.ptr, LMLOSS_F32, n_, k);
+    const lmloss_tensor none = lmloss_tensor_none();
+    const double ms = time([&] { api_check(lmloss_topk(ctx.get(), &head, &o, &ids, &probs, &none)); });
+    ctx.synchronize();
+    return {"topk" + std::to_string(k), double(ctx.workspace_budget()) / double(1 << 30), ms, 0,
+            double(ctx.peak_workspace()) / double(1 << 30), repeats_};
+  }
+
+  static constexpr int kTeacherK = 64;
+  static constexpr int kTopkMax = 2048;
+
+ private:
+  DeviceBuffer upload(const void* host, size_t bytes) {
+    DeviceBuffer b(bytes);
+    cuda_check(cudaMemcpy(b.ptr, host, bytes, cudaMemcpyHostToDevice), "upload");
+    return b;
+  }
+  int64_t n_, h_, v_;
+  lmloss_dtype dt_;
+  int repeats_;
+  cudaStream_t stream_ = nullptr;
+  Products products_;
+  L2Flush flush_;
+  DeviceBuffer x_, w_, labels_, ids_, probs_, dx_, dw_, loss_, topk_ids_, topk_probs_, z_;
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = s.find(',', start);
+    const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (!item.empty()) out.push_back(item);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+int run(int argc, char** argv) {
+  std::string preset = "llama3-8b", modes = "fwd_bwd,dx_only,forward,topk64,topk2048,distill64", budgets = "",
+              json_path = "", dtype = "bf16";
+  int64_t tokens = 0;
+  int repeats = 10;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string key = argv[i], value = argv[i + 1];
+    if (key == "--preset") preset = value;
+    else if (key == "--tokens") tokens = std::stoll(value);
+    else if (key == "--modes") modes = value;
+    else if (key == "--budgets-gib") budgets = value;
+    else if (key == "--repeats") repeats = std::stoi(value);
+    else if (key == "--json") json_path = value;
+    else if (key == "--dtype") dtype = value;
+    else throw std::invalid_argument("unknown option " + key);
+  }
+  const Preset* p = nullptr;
+  for (const Preset& candidate : kPresets)
+    if (preset == candidate.name) p = &candidate;
+  if (!p) throw std::invalid_argument("unknown preset " + preset);
+  const int64_t n = tokens > 0 ? tokens : p->tokens;
+  const lmloss_dtype dt = dtype == "f16" ? LMLOSS_F16 : dtype == "f32" ? LMLOSS_F32 : LMLOSS_BF16;
+  ModesBench bench(n, p->hidden, p->vocab, dt, repeats);
+  std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events\n",
+              device_description().c_str(), p->name, (long long)n, (long long)p->hidden, (long long)p->vocab,
+              dtype.c_str(), repeats);
+  std::fflush(stdout);
+
+  std::vector<Row> rows;
+  std::map<int, double> floors;
+  auto floor_of = [&](int count) {
+    if (!floors.count(count)) floors[count] = bench.floor_ms(count);
+    return floors[count];
+  };
+  floor_of(3);
+  floor_of(2);
+  floor_of(1);
+  bench.free_floor();
+  for (const std::string& mode : split(modes)) {
+    Row r;
+    if (mode.rfind("topk", 0) == 0 && mode != "topk") {
+      r = bench.topk_mode(std::stoll(mode.substr(4)), 0);
+      r.floor_ms = floor_of(1);
+    } else {
+      r = bench.loss_mode(mode, 0);
+      r.floor_ms = floor_of(mode == "forward" ? 1 : mode == "dx_only" ? 2 : 3);
+    }
+    rows.push_back(r);
+    std::printf("%-10s budget %6.3f GiB  %8.3f ms  floor %8.3f ms  x%.3f  peak %.3f GiB\n", r.mode.c_str(),
+                r.budget_gib, r.ms, r.floor_ms, r.ms / r.floor_ms, r.peak_gib);
+    std::fflush(stdout);
+  }
+  for (const std::string& b : split(budgets)) {
+    Row r = bench.loss_mode("fwd_bwd", size_t(std::stod(b) * double(1 << 30)));
+    r.mode = "curve";
+    r.floor_ms = floor_of(3);
+    rows.push_back(r);
+    std::printf("%-10s budget %6.3f GiB  %8.3f ms  floor %8.3f ms  x%.3f  peak %.3f GiB\n", r.mode.c_str(),
+                r.budget_gib, r.ms, r.floor_ms, r.ms / r.floor_ms, r.peak_gib);
+    std::fflush(stdout);
+  }
+  if (!json_path.empty()) {
+    FILE* f = std::fopen(json_path.c_str(), "w");
+    if (!f) throw std::runtime_error("cannot write " + json_path);
+    std::fprintf(f, "{\"device\": \"%s\", \"preset\": \"%s\", \"tokens\": %lld, \"hidden\": %lld, \"vocab\": %lld, "
+                    "\"dtype\": \"%s\", \"repeats\": %d, \"rows\": [",
+                 device_description().c_str(), p->name, (long long)n, (long long)p->hidden, (long long)p->vocab,
+                 dtype.c_str(), repeats);
+    for (size_t i = 0; i < rows.size(); ++i)
+      std::fprintf(f, "%s{\"mode\": \"%s\", \"budget_gib\": %.4f, \"ms\": %.4f, \"floor_ms\": %.4f, \"peak_gib\": %.4f}",
+                   i ? ", " : "", rows[i].mode.c_str(), rows[i].budget_gib, rows[i].ms, rows[i].floor_ms,
+                   rows[i].peak_gib);
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace lmloss::tools
+
+int main(int argc, char** argv) {
+  try {
+    return lmloss::tools::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_cuda_modes: %s\n", e.what());
+    return 1;
+  }
+}
+
+#endif
