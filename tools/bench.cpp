@@ -335,11 +335,14 @@ int run_bench(const BenchOptions& options) {
   const double fused_min_ratio =
       *std::min_element(fused_times.begin(), fused_times.end()) / floor_min;
   const double saved = double(backend->naive_peak_bytes()) - double(backend->fused_peak_bytes());
-  std::printf(
-      "target: lmloss within 1.3x of the floor: %s (median %.3fx, min %.3fx); peak below "
-      "naive by at least the logits (%.1f MiB): %s (%.1f MiB less)\n",
-      fused_ratio <= 1.3 ? "met" : "missed", fused_ratio, fused_min_ratio, logits_bytes / kMiB,
-      saved >= logits_bytes ? "met" : "missed", saved / kMiB);
+  // The CPU backend's acceptance target; the GPU's targets are per mode and against the peers
+  // (docs/performance.md), so a CUDA run prints no verdict here.
+  if (backend->name() == "cpu")
+    std::printf(
+        "target: lmloss within 1.3x of the floor: %s (median %.3fx, min %.3fx); peak below "
+        "naive by at least the logits (%.1f MiB): %s (%.1f MiB less)\n",
+        fused_ratio <= 1.3 ? "met" : "missed", fused_ratio, fused_min_ratio, logits_bytes / kMiB,
+        saved >= logits_bytes ? "met" : "missed", saved / kMiB);
   nlohmann::json json_stages = nlohmann::json::object();
   for (const auto& [stage, times] : backend->stage_times()) {
     std::printf("  %-40s %10.1f ms median %10.1f ms min\n", stage.c_str(), median(times),
