@@ -25,7 +25,7 @@
 #include <tuple>
 #include <vector>
 
-#include "lmloss/lmloss.h"
+#include "lmloss/lmloss.hpp"
 
 namespace lmloss::tools {
 namespace {
@@ -38,35 +38,8 @@ void lt_check(cublasStatus_t s, const char* what) {
     throw std::runtime_error(std::string(what) + ": " + cublasLtGetStatusString(s));
 }
 
-// A small C++17 layer over the C API (lmloss.hpp needs C++20; CUDA sources build as C++17).
-void api_check(lmloss_status s) {
-  if (s != LMLOSS_SUCCESS) throw std::runtime_error(std::string("lmloss: ") + lmloss_last_error());
-}
-class Ctx {
- public:
-  Ctx() { api_check(lmloss_context_create(&c_)); }
-  ~Ctx() { lmloss_context_destroy(c_); }
-  Ctx(const Ctx&) = delete;
-  Ctx& operator=(const Ctx&) = delete;
-  lmloss_context* get() const { return c_; }
-  void set_stream(cudaStream_t s) { api_check(lmloss_context_set_stream(c_, s)); }
-  void set_workspace_budget(size_t b) { api_check(lmloss_context_set_workspace_budget(c_, b)); }
-  size_t workspace_budget() const {
-    size_t b = 0;
-    api_check(lmloss_context_get_workspace_budget(c_, &b));
-    return b;
-  }
-  size_t peak_workspace() const {
-    size_t b = 0;
-    api_check(lmloss_context_get_peak_workspace(c_, &b));
-    return b;
-  }
-  void reset_peak_workspace() { api_check(lmloss_context_reset_peak_workspace(c_)); }
-  void synchronize() { api_check(lmloss_context_synchronize(c_)); }
-
- private:
-  lmloss_context* c_ = nullptr;
-};
+// The library's own RAII context (lmloss.hpp is C++17, as CUDA sources are built).
+using Ctx = lmloss::Context;
 // Descriptors of device memory.
 lmloss_tensor on_device(lmloss_tensor t) {
   t.device_type = LMLOSS_DEVICE_CUDA;
@@ -103,7 +76,7 @@ lmloss_grads make_grads(lmloss_tensor gl, lmloss_tensor gx, lmloss_tensor gw) {
 void forward_backward(Ctx& ctx, const lmloss_head& h, const lmloss_targets& t, const lmloss_loss_options& o,
                       lmloss_tensor loss, const lmloss_grads& g) {
   const lmloss_tensor none = lmloss_tensor_none();
-  api_check(lmloss_loss_forward_backward(ctx.get(), &h, &t, &o, &none, &loss, &none, &g));
+  lmloss::check(lmloss_loss_forward_backward(ctx.get(), &h, &t, &o, &none, &loss, &none, &g));
 }
 
 cudaDataType_t cuda_type(lmloss_dtype d) {
@@ -512,7 +485,7 @@ class ModesBench {
     const bool forward_only = mode == "forward";
     const double ms = time([&] {
       if (forward_only)
-        api_check(lmloss_loss_forward(ctx.get(), &head, &targets, &o, &loss, &none));
+        lmloss::check(lmloss_loss_forward(ctx.get(), &head, &targets, &o, &loss, &none));
       else
         forward_backward(ctx, head, targets, o, loss, g);
     });
@@ -534,7 +507,7 @@ class ModesBench {
     const lmloss_tensor ids = dev_matrix(topk_ids_.ptr, LMLOSS_I32, n_, k);
     const lmloss_tensor probs = dev_matrix(topk_probs_.ptr, LMLOSS_F32, n_, k);
     const lmloss_tensor none = lmloss_tensor_none();
-    const double ms = time([&] { api_check(lmloss_topk(ctx.get(), &head, &o, &ids, &probs, &none)); });
+    const double ms = time([&] { lmloss::check(lmloss_topk(ctx.get(), &head, &o, &ids, &probs, &none)); });
     ctx.synchronize();
     return {"topk" + std::to_string(k), double(ctx.workspace_budget()) / double(1 << 30), ms, 0,
             double(ctx.peak_workspace()) / double(1 << 30), repeats_};
