@@ -12,9 +12,14 @@ namespace lmloss::core {
 namespace {
 
 std::string shape_string(const lmloss_tensor& t) {
-  if (t.ndim == 0) return "()";
-  if (t.ndim == 1) return "(" + std::to_string(t.shape[0]) + ")";
-  return "(" + std::to_string(t.shape[0]) + ", " + std::to_string(t.shape[1]) + ")";
+  // Appended piece by piece: "(" + std::to_string(...) trips a false -Wrestrict in GCC 12.
+  std::string s = "(";
+  for (int d = 0; d < t.ndim && d < 2; ++d) {
+    if (d > 0) s += ", ";
+    s += std::to_string(t.shape[d]);
+  }
+  s += ")";
+  return s;
 }
 
 lmloss_status invalid(const std::string& name, const std::string& what) {
