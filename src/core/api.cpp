@@ -23,7 +23,7 @@ lmloss_status choose_backend(lmloss_device_type type, Backend*& backend) {
   if (type == LMLOSS_DEVICE_CUDA && backend == nullptr)
     return fail(LMLOSS_ERROR_UNSUPPORTED, "tensors are on a CUDA device but this lmloss was built without CUDA");
   if (!backend->available())
-    return fail(LMLOSS_ERROR_UNSUPPORTED, "tensors are on a CUDA device but no usable CUDA device or driver was found");
+    return fail(LMLOSS_ERROR_UNSUPPORTED, "tensors are on a CUDA device but no usable CUDA device, driver or cuBLASLt library was found");
   return LMLOSS_SUCCESS;
 }
 

@@ -20,6 +20,7 @@
 #include "core/context.hpp"
 #include "core/dtype.hpp"
 #include "cuda/common.cuh"
+#include "cuda/cublaslt_library.hpp"
 #include "cuda/loss_rows.cuh"
 #include "cuda/matmul.cuh"
 #include "cuda/topk.cuh"
@@ -465,7 +466,8 @@ class CudaBackend final : public core::Backend {
         cudaGetLastError();
         return false;
       }
-      return count > 0;
+      // A device, and the cuBLASLt library (loaded at run time, see cublaslt_library.hpp).
+      return count > 0 && cublaslt() != nullptr;
     }();
     return found;
   }

@@ -4,9 +4,13 @@
 #include <string>
 
 #include "core/context.hpp"
+#include "cuda/cublaslt_library.hpp"
 
 namespace lmloss::cuda {
 namespace {
+
+// Only reached once the backend has checked that cuBLASLt loaded (CudaBackend::available).
+const CublasLt& lt() { return *cublaslt(); }
 
 cudaDataType_t cuda_type(lmloss_dtype dtype) {
   switch (dtype) {
@@ -18,7 +22,7 @@ cudaDataType_t cuda_type(lmloss_dtype dtype) {
 
 lmloss_status lt_fail(const char* what, cublasStatus_t status) {
   return core::fail(LMLOSS_ERROR_BACKEND, std::string("cuBLASLt ") + what + ": " +
-                                              cublasLtGetStatusString(status));
+                                              lt().GetStatusString(status));
 }
 
 #define LMLOSS_LT_TRY(what, expr)                          \
@@ -28,10 +32,10 @@ lmloss_status lt_fail(const char* what, cublasStatus_t status) {
   } while (0)
 
 void destroy(MatmulPlan& p) {
-  if (p.a) cublasLtMatrixLayoutDestroy(p.a);
-  if (p.b) cublasLtMatrixLayoutDestroy(p.b);
-  if (p.d) cublasLtMatrixLayoutDestroy(p.d);
-  if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+  if (p.a) lt().MatrixLayoutDestroy(p.a);
+  if (p.b) lt().MatrixLayoutDestroy(p.b);
+  if (p.d) lt().MatrixLayoutDestroy(p.d);
+  if (p.desc) lt().MatmulDescDestroy(p.desc);
   p = MatmulPlan{};
 }
 
@@ -39,12 +43,12 @@ void destroy(MatmulPlan& p) {
 
 MatmulCache::~MatmulCache() {
   for (auto& [shape, plan] : plans_) destroy(plan);
-  if (handle_) cublasLtDestroy(handle_);
+  if (handle_) lt().Destroy(handle_);
 }
 
 lmloss_status MatmulCache::init() {
   if (handle_) return LMLOSS_SUCCESS;
-  LMLOSS_LT_TRY("create", cublasLtCreate(&handle_));
+  LMLOSS_LT_TRY("create", lt().Create(&handle_));
   return LMLOSS_SUCCESS;
 }
 
@@ -56,7 +60,7 @@ lmloss_status MatmulCache::plan(const MatmulShape& s, const MatmulPlan** out) {
   MatmulPlan p;
   // f32 inputs keep full f32 arithmetic (the 1e-5 accuracy rule); 16-bit inputs accumulate in f32.
   const cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
-  const cublasStatus_t created = cublasLtMatmulDescCreate(&p.desc, compute, CUDA_R_32F);
+  const cublasStatus_t created = lt().MatmulDescCreate(&p.desc, compute, CUDA_R_32F);
   if (created != CUBLAS_STATUS_SUCCESS) return lt_fail("descriptor", created);
   auto fail_with = [&](const char* what, cublasStatus_t st) {
     destroy(p);
@@ -66,42 +70,42 @@ lmloss_status MatmulCache::plan(const MatmulShape& s, const MatmulPlan** out) {
   const cublasOperation_t tb = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasLtPointerMode_t mode = CUBLASLT_POINTER_MODE_DEVICE;
   cublasStatus_t st;
-  if ((st = cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta))) ||
-      (st = cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb))) ||
-      (st = cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode,
+  if ((st = lt().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta))) ||
+      (st = lt().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb))) ||
+      (st = lt().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode,
                                            sizeof(mode))))
     return fail_with("descriptor attribute", st);
   // Stored shapes of A and B before op(): op(A) is (m, k), op(B) is (k, n).
   const uint64_t a_rows = s.trans_a ? s.k : s.m, a_cols = s.trans_a ? s.m : s.k;
   const uint64_t b_rows = s.trans_b ? s.n : s.k, b_cols = s.trans_b ? s.k : s.n;
-  if ((st = cublasLtMatrixLayoutCreate(&p.a, cuda_type(s.ab_type), a_rows, a_cols, s.lda)) ||
-      (st = cublasLtMatrixLayoutCreate(&p.b, cuda_type(s.ab_type), b_rows, b_cols, s.ldb)) ||
-      (st = cublasLtMatrixLayoutCreate(&p.d, cuda_type(s.d_type), s.m, s.n, s.ldd)))
+  if ((st = lt().MatrixLayoutCreate(&p.a, cuda_type(s.ab_type), a_rows, a_cols, s.lda)) ||
+      (st = lt().MatrixLayoutCreate(&p.b, cuda_type(s.ab_type), b_rows, b_cols, s.ldb)) ||
+      (st = lt().MatrixLayoutCreate(&p.d, cuda_type(s.d_type), s.m, s.n, s.ldd)))
     return fail_with("layout", st);
 
   cublasLtMatmulPreference_t pref = nullptr;
-  if ((st = cublasLtMatmulPreferenceCreate(&pref))) return fail_with("preference", st);
+  if ((st = lt().MatmulPreferenceCreate(&pref))) return fail_with("preference", st);
   const uint64_t ws = s.workspace_bytes;
-  st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+  st = lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                             sizeof(ws));
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+    st = lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
                                               &s.align_a, sizeof(s.align_a));
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+    st = lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                                               &s.align_b, sizeof(s.align_b));
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+    st = lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
                                               &s.align_d, sizeof(s.align_d));
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+    st = lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                               &s.align_d, sizeof(s.align_d));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result,
+    st = lt().MatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result,
                                         &found);
-  cublasLtMatmulPreferenceDestroy(pref);
+  lt().MatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS) return fail_with("heuristic", st);
   if (found == 0) return fail_with("heuristic (no algorithm)", CUBLAS_STATUS_NOT_SUPPORTED);
   p.algo = result.algo;
@@ -121,7 +125,7 @@ lmloss_status MatmulCache::run(MatmulShape shape, const void* a, const void* b, 
   if (workspace == nullptr) shape.workspace_bytes = 0;
   const MatmulPlan* p = nullptr;
   if (const lmloss_status st = plan(shape, &p); st != LMLOSS_SUCCESS) return st;
-  LMLOSS_LT_TRY("matmul", cublasLtMatmul(handle_, p->desc, alpha, a, p->a, b, p->b, beta, d, p->d,
+  LMLOSS_LT_TRY("matmul", lt().Matmul(handle_, p->desc, alpha, a, p->a, b, p->b, beta, d, p->d,
                                          d, p->d, &p->algo, workspace, shape.workspace_bytes,
                                          stream));
   return LMLOSS_SUCCESS;
