@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/dtype.hpp"
 #include "lmloss/lmloss.h"
 #include "reference.hpp"
 
@@ -43,11 +44,12 @@ inline const auto all_devices = ::testing::Values(Device::cpu, Device::cuda);
 
 // ---- Dtypes and tolerances ---------------------------------------------------------------------
 
-size_t dtype_size(lmloss_dtype dtype);
-const char* dtype_name(lmloss_dtype dtype);
-bool is_float(lmloss_dtype dtype);
+// The library's own dtype table (sizes and names are facts, not something under test).
+using core::dtype_name;
+using core::dtype_size;
+using core::is_float;
 // The dtype of losses, lse, teacher probabilities and top-k outputs for a given input dtype.
-lmloss_dtype compute_dtype(lmloss_dtype input);
+inline lmloss_dtype compute_dtype(lmloss_dtype input) { return core::compute_dtype_of(input); }
 // `value` as stored in `dtype` and read back (round to nearest even).
 double round_to(lmloss_dtype dtype, double value);
 
