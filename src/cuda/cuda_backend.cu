@@ -29,7 +29,7 @@ namespace lmloss::cuda {
 namespace {
 
 constexpr size_t kMatmulWorkspace = size_t(32) << 20;
-int64_t row_stride(const lmloss_tensor& t) { return t.ndim == 2 && t.stride != 0 ? t.stride : t.ndim == 2 ? t.shape[1] : 1; }
+using core::row_stride;  // vectors here are contiguous: check_vector refuses strided ones
 
 // Per-context state: the cuBLASLt handle and plans, and the device's error flag.
 class CudaState : public core::BackendState {
@@ -189,6 +189,24 @@ bool wants_any_grad(const core::LossCall& call) {
   const lmloss_grads& g = call.grads;
   return call.wants_grads() &&
          (g.grad_logits.data || g.grad_hidden.data || g.grad_weight.data || g.grad_bias.data);
+}
+
+// The f32 logits of a chunk of `rows` tokens, Z = X_chunk W^T: column-major (vocab, rows) =
+// op(W) (vocab, hidden) * X^T (hidden, rows). Shared by the losses and top-k through the head.
+template <typename Call>
+MatmulShape logits_product(const Call& call, int64_t rows, int64_t logits_ld, size_t workspace_bytes) {
+  MatmulShape s;
+  s.m = call.vocab;
+  s.n = rows;
+  s.k = call.hidden;
+  s.trans_a = true;
+  s.lda = row_stride(call.head.weight);
+  s.ldb = row_stride(call.head.hidden);
+  s.ldd = logits_ld;
+  s.ab_type = call.input_dtype;
+  s.d_type = LMLOSS_F32;
+  s.workspace_bytes = workspace_bytes;
+  return s;
 }
 
 enum LossPiece { kLogitsChunk, kMatmulWs, kSparse, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces };
@@ -380,18 +398,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       continue;
     }
 
-    // Z = X_chunk W^T: column-major (vocab, rows) = op(W) (vocab, hidden) * X^T (hidden, rows).
-    MatmulShape fwd;
-    fwd.m = call.vocab;
-    fwd.n = rows;
-    fwd.k = call.hidden;
-    fwd.trans_a = true;
-    fwd.lda = row_stride(call.head.weight);
-    fwd.ldb = x_ld;
-    fwd.ldd = plan.logits_ld;
-    fwd.ab_type = call.input_dtype;
-    fwd.d_type = LMLOSS_F32;
-    fwd.workspace_bytes = matmul_ws_bytes;
+    const MatmulShape fwd = logits_product(call, rows, plan.logits_ld, matmul_ws_bytes);
     const void* x_chunk = x + row0 * x_ld * in_size;
     LMLOSS_CHECK(r.state.matmul.run(fwd, call.head.weight.data, x_chunk, logits_chunk, &scalars->one,
                                     &scalars->zero, matmul_ws, r.stream));
@@ -563,17 +570,7 @@ class CudaBackend final : public core::Backend {
       a.row0 = row0;
       a.rows = rows;
       if (call.linear) {
-        MatmulShape fwd;
-        fwd.m = call.vocab;
-        fwd.n = rows;
-        fwd.k = call.hidden;
-        fwd.trans_a = true;
-        fwd.lda = row_stride(call.head.weight);
-        fwd.ldb = x_ld;
-        fwd.ldd = plan.logits_ld;
-        fwd.ab_type = call.input_dtype;
-        fwd.d_type = LMLOSS_F32;
-        fwd.workspace_bytes = matmul_ws_bytes;
+        const MatmulShape fwd = logits_product(call, rows, plan.logits_ld, matmul_ws_bytes);
         LMLOSS_CHECK(state->matmul.run(fwd, call.head.weight.data, x + row0 * x_ld * in_size, logits_chunk,
                                        &scalars->one, &scalars->zero, matmul_ws, stream));
         a.logits = logits_chunk;
