@@ -190,6 +190,32 @@ TEST_P(Contract, Deterministic) {
   }
 }
 
+// Rules 5 and 7 together: a context keeps its workspace between calls, and what an earlier call
+// left there (NaN everywhere, here) never reaches a later call's outputs: the same call gives
+// bitwise the same results on that context and on a fresh one.
+TEST_P(Contract, ReusedWorkspaceLeaksNothing) {
+  Generator gen(508);
+  lmloss_loss_options o = training_options();
+  o.kd_weight = 0.5;
+  const ProblemSpec spec{.n_tokens = 64, .vocab = 1031, .hidden = 24, .bias = true, .top_k = 3};
+  const size_t budget = size_t(16) * 1031 * 8;  // several chunks: dW and db accumulate
+  reference::Problem poisoned = gen.problem(spec);
+  for (double& x : poisoned.hidden_states) x = NAN;
+  for (double& w : poisoned.weight) w = NAN;
+  for (double& b : poisoned.bias) b = NAN;
+  ctx.set_workspace_budget(budget);
+  LossCase dirty(poisoned, o, setup(LMLOSS_BF16));
+  ASSERT_EQ(dirty.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  LossCase clean(gen.problem(spec), o, setup(LMLOSS_BF16));
+  ASSERT_EQ(clean.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  const std::vector<double> after_dirty = all_values(clean);
+  lmloss::Context fresh;
+  fresh.set_workspace_budget(budget);
+  ASSERT_EQ(clean.forward_backward(fresh.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_TRUE(bitwise_equal(after_dirty, all_values(clean)));
+  expect_matches_reference(clean, Mode::forward_backward);
+}
+
 // Rule 8: the backend agrees with the float64 reference, and the comparison can fail: an
 // output wrong by a few tolerances is caught.
 TEST_P(Contract, ChecksAgainstReference) {

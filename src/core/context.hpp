@@ -16,6 +16,7 @@ struct lmloss_context {
   void* stream = nullptr;
   lmloss_allocator allocator{};
   bool has_allocator = false;
+  std::unique_ptr<lmloss::core::BackendState> cpu_state;   // made by the CPU backend on first use
   std::unique_ptr<lmloss::core::BackendState> cuda_state;  // made by the CUDA backend on first use
 };
 
