@@ -96,22 +96,22 @@ def _reduction(value) -> str:
     return value
 
 
-def _softcap(value) -> float:
+def _positive_or_none(value, name: str, none_means: str) -> float:
+    """A finite positive number, or None for the library's 0 ("off")."""
     if value is None:
         return 0.0
-    c = _real(value, "softcap")
-    if not (c > 0 and math.isfinite(c)):
-        raise ValueError(f"softcap: must be finite and > 0 (None turns soft-capping off), got {c}")
-    return c
+    x = _real(value, name)
+    if not (x > 0 and math.isfinite(x)):
+        raise ValueError(f"{name}: must be finite and > 0 (None {none_means}), got {x}")
+    return x
+
+
+def _softcap(value) -> float:
+    return _positive_or_none(value, "softcap", "turns soft-capping off")
 
 
 def _normalizer(value) -> float:
-    if value is None:
-        return 0.0
-    d = _real(value, "normalizer")
-    if not (d > 0 and math.isfinite(d)):
-        raise ValueError(f"normalizer: must be finite and > 0 (None: the counted tokens), got {d}")
-    return d
+    return _positive_or_none(value, "normalizer", "divides by the counted tokens")
 
 
 def loss_options(*, reduction, ignore_index, label_smoothing, z_loss, softcap, temperature,
