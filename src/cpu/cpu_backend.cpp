@@ -157,7 +157,7 @@ Plan plan_head(const lmloss_context& context, bool linear, int64_t n_tokens, int
   plan.bytes_per_row = size_t(vocab) * s + extra_per_row;
   plan.fixed_bytes = extra_fixed;
   if (linear) {
-    plan.fixed_bytes += size_t(vocab) * s;  // bias in the compute type
+    plan.fixed_bytes += size_t(vocab) * s;  // bias in the compute type (counted even when absent)
     if (convert) {
       plan.bytes_per_row += size_t(hidden) * s;  // the chunk of X, converted
       const size_t whole_weight = size_t(vocab) * size_t(hidden) * s;
@@ -197,9 +197,11 @@ class LogitsChunks {
       : context_(context), head_(head), linear_(linear), vocab_(vocab), hidden_(hidden), plan_(plan) {
     convert_ = !is_compute_type<C>(linear ? head.hidden : head.logits);
     if (linear) {
-      bias_ = Workspace<C>(context, size_t(vocab));
-      for (int64_t j = 0; j < vocab; ++j)
-        bias_.get()[j] = head.bias.data ? core::load_float<C>(head.bias.data, head.bias.dtype, j * core::row_stride(head.bias)) : C(0);
+      if (head.bias.data) {
+        bias_ = Workspace<C>(context, size_t(vocab));
+        for (int64_t j = 0; j < vocab; ++j)
+          bias_.get()[j] = core::load_float<C>(head.bias.data, head.bias.dtype, j * core::row_stride(head.bias));
+      }
       if (convert_) {
         weight_ = Workspace<C>(context, size_t(plan.weight_slice) * size_t(hidden));
         x_ = Workspace<C>(context, size_t(plan.chunk_rows) * size_t(hidden));
@@ -208,7 +210,7 @@ class LogitsChunks {
     }
   }
 
-  // Z rows of this chunk, bias added (the row pass scales them).
+  // Z rows of this chunk, before the bias and the scaling (finish_row).
   void produce(int64_t row0, int64_t rows, C* z, int threads) {
     if (!linear_) {
       const lmloss_tensor& logits = head_.logits;
@@ -226,11 +228,18 @@ class LogitsChunks {
       const C* w = weight_slice(v0, vs);
       gemm(false, true, rows, vs, hidden_, C(1), x_rows(), x_stride(), w, weight_stride(), C(0), z + v0, vocab_);
     }
-    const C* bias = bias_.get();
-    if (head_.bias.data) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < vocab_; ++j) z[i * vocab_ + j] += bias[j];
+  }
+
+  // One row of Z as the losses and top-k read it: bias added, soft-capped, divided by T. Done per
+  // row, while the row is in cache, rather than as a pass of its own over the chunk.
+  void finish_row(C* z, const core::LogitScale<C>& scale, bool scaled) const {
+    const C* bias = head_.bias.data ? bias_.get() : nullptr;
+    if (bias && scaled) {
+      for (int64_t j = 0; j < vocab_; ++j) z[j] = scale.apply(z[j] + bias[j]);
+    } else if (bias) {
+      for (int64_t j = 0; j < vocab_; ++j) z[j] += bias[j];
+    } else if (scaled) {
+      for (int64_t j = 0; j < vocab_; ++j) z[j] = scale.apply(z[j]);
     }
   }
 
@@ -293,19 +302,16 @@ class LogitsChunks {
 
 // ---- The loss ------------------------------------------------------------------------------
 
+int64_t label_of(const LossCall& call, int64_t t) {
+  return core::load_index(call.targets.labels.data, call.targets.labels.dtype, t * core::row_stride(call.targets.labels));
+}
+
 // Which tokens count: not ignore_index, mask true.
 bool counted(const LossCall& call, int64_t t) {
-  if (call.has_labels() &&
-      core::load_index(call.targets.labels.data, call.targets.labels.dtype, t * core::row_stride(call.targets.labels)) ==
-          call.options.ignore_index)
-    return false;
+  if (call.has_labels() && label_of(call, t) == call.options.ignore_index) return false;
   if (call.has_mask() && static_cast<const uint8_t*>(call.targets.token_mask.data)[t * core::row_stride(call.targets.token_mask)] == 0)
     return false;
   return true;
-}
-
-int64_t label_of(const LossCall& call, int64_t t) {
-  return core::load_index(call.targets.labels.data, call.targets.labels.dtype, t * core::row_stride(call.targets.labels));
 }
 
 int64_t teacher_id(const LossCall& call, int64_t t, int64_t k) {
@@ -369,7 +375,7 @@ class LossRunner {
       chunks.produce(row0, rows, z.get(), threads_);
 #pragma omp parallel for num_threads(threads_) schedule(static)
       for (int64_t i = 0; i < rows; ++i)
-        row_loss.get()[i] = process_row(row0 + i, z.get() + i * vocab, scratch.get() + size_t(omp_get_thread_num()) * size_t(call.top_k + 1));
+        row_loss.get()[i] = process_row(chunks, row0 + i, z.get() + i * vocab, scratch.get() + size_t(omp_get_thread_num()) * size_t(call.top_k + 1));
       if (call.wants_loss()) {
         for (int64_t i = 0; i < rows; ++i) loss_sum += double(row_loss.get()[i]);  // fixed order
         if (call.options.reduction == LMLOSS_REDUCTION_NONE)
@@ -408,13 +414,12 @@ class LossRunner {
  private:
   // One token: z (vocab) in, dL/dz (vocab) out in place when gradients are wanted. Returns the
   // token's loss (0 when uncounted) and writes its lse.
-  C process_row(int64_t t, C* z, C* saved) const {
+  C process_row(const LogitsChunks<C>& chunks, int64_t t, C* z, C* saved) const {
     const LossCall& call = call_;
     const int64_t vocab = call.vocab, k = call.top_k;
     const bool is_counted = counted(call, t);
     const bool scaled = call.options.softcap > 0 || call.options.temperature != 1.0;
-    if (scaled)
-      for (int64_t j = 0; j < vocab; ++j) z[j] = scale_.apply(z[j]);
+    chunks.finish_row(z, scale_, scaled);
 
     // p_j = exp(s_j - lse) in every mode, with lse rounded to C as it is saved, so the fused
     // gradient and the backward from a saved lse agree bitwise.
@@ -549,8 +554,7 @@ lmloss_status run_topk(lmloss_context& context, const TopkCall& call, const Plan
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t t = row0 + i;
       C* s = z.get() + i * vocab;
-      if (scaled)
-        for (int64_t j = 0; j < vocab; ++j) s[j] = scale.apply(s[j]);
+      chunks.finish_row(s, scale, scaled);
       int32_t* ids = order.get() + size_t(omp_get_thread_num()) * size_t(vocab);
       for (int64_t j = 0; j < vocab; ++j) ids[j] = int32_t(j);
       const TopkOrder<C> before{s};
