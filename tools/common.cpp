@@ -15,91 +15,11 @@ namespace lmloss::tools {
 
 // ---- dtypes --------------------------------------------------------------------------------
 
-const char* dtype_name(lmloss_dtype dtype) {
-  switch (dtype) {
-    case LMLOSS_F32:
-      return "f32";
-    case LMLOSS_F16:
-      return "f16";
-    case LMLOSS_BF16:
-      return "bf16";
-    case LMLOSS_F64:
-      return "f64";
-    case LMLOSS_I32:
-      return "i32";
-    case LMLOSS_I64:
-      return "i64";
-    case LMLOSS_U8:
-      return "u8";
-    default:
-      return "?";
-  }
-}
-
 std::optional<lmloss_dtype> parse_dtype(const std::string& name) {
   for (int d = 0; d < LMLOSS_DTYPE_COUNT; ++d) {
     if (name == dtype_name(static_cast<lmloss_dtype>(d))) return static_cast<lmloss_dtype>(d);
   }
   return std::nullopt;
-}
-
-size_t dtype_size(lmloss_dtype dtype) {
-  switch (dtype) {
-    case LMLOSS_F32:
-      return 4;
-    case LMLOSS_F16:
-      return 2;
-    case LMLOSS_BF16:
-      return 2;
-    case LMLOSS_F64:
-      return 8;
-    case LMLOSS_I32:
-      return 4;
-    case LMLOSS_I64:
-      return 8;
-    case LMLOSS_U8:
-      return 1;
-    default:
-      throw std::invalid_argument("unsupported dtype");
-  }
-}
-
-uint16_t float_to_f16(float f) {
-  uint32_t x = std::bit_cast<uint32_t>(f);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  uint32_t mantissa = x & 0x7fffffu;
-  const int32_t exponent = static_cast<int32_t>((x >> 23) & 0xffu);
-  if (exponent == 0xff) return static_cast<uint16_t>(sign | 0x7c00u | (mantissa ? 0x200u : 0u));
-  const int32_t e = exponent - 127 + 15;
-  if (e >= 0x1f) return static_cast<uint16_t>(sign | 0x7c00u);
-  if (e <= 0) {
-    // A subnormal half holds m * 2^-24: the 24-bit significand shifted right by 14 - e.
-    if (e < -10) return static_cast<uint16_t>(sign);
-    mantissa |= 0x800000u;
-    const int shift = 14 - e;
-    uint32_t half = mantissa >> shift;
-    const uint32_t rest = mantissa & ((1u << shift) - 1u);
-    const uint32_t midpoint = 1u << (shift - 1);
-    if (rest > midpoint || (rest == midpoint && (half & 1u))) ++half;
-    return static_cast<uint16_t>(sign | half);
-  }
-  uint32_t half = (static_cast<uint32_t>(e) << 10) | (mantissa >> 13);
-  const uint32_t rest = mantissa & 0x1fffu;
-  // A carry out of the mantissa steps the exponent, up to infinity: still the right rounding.
-  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
-  return static_cast<uint16_t>(sign | half);
-}
-
-float f16_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t{h} & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1fu;
-  const uint32_t mantissa = h & 0x3ffu;
-  if (exponent == 0) {
-    const float v = std::ldexp(static_cast<float>(mantissa), -24);
-    return sign ? -v : v;
-  }
-  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));
-  return std::bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
 void encode(lmloss_dtype dtype, const double* values, int64_t n, void* out) {

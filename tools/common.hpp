@@ -13,33 +13,23 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.hpp"
 #include "lmloss/lmloss.h"
 
 namespace lmloss::tools {
 
 // ---- dtypes --------------------------------------------------------------------------------
 
-const char* dtype_name(lmloss_dtype dtype);
+// The library's dtype table and bf16/f16 conversions (src/core/dtype.hpp).
+using core::bf16_to_float;
+using core::dtype_name;
+using core::dtype_size;
+using core::f16_to_float;
+using core::float_to_bf16;
+using core::float_to_f16;
 std::optional<lmloss_dtype> parse_dtype(const std::string& name);
-size_t dtype_size(lmloss_dtype dtype);
 // f32, or f64 for f64 inputs: the dtype of losses, lse and teacher probabilities.
-inline lmloss_dtype compute_dtype(lmloss_dtype input) {
-  return input == LMLOSS_F64 ? LMLOSS_F64 : LMLOSS_F32;
-}
-
-// bf16: the upper half of an f32, rounded to nearest even.
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u = std::bit_cast<uint32_t>(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u)
-    return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-inline float bf16_to_float(uint16_t b) { return std::bit_cast<float>(uint32_t{b} << 16); }
-
-// IEEE binary16, rounded to nearest even, with subnormals.
-uint16_t float_to_f16(float f);
-float f16_to_float(uint16_t h);
+inline lmloss_dtype compute_dtype(lmloss_dtype input) { return core::compute_dtype_of(input); }
 
 // Values in double <-> storage bytes of `dtype` (a float dtype or an integer one).
 void encode(lmloss_dtype dtype, const double* values, int64_t n, void* out);
