@@ -354,6 +354,16 @@ def _linear_result(x: Array, loss, lse, grads: dict, reduction: str, batch: tupl
     return result
 
 
+def _linear_outputs(x, w, b, opts, grad, grad_weight):
+    """The rows of hidden, and the loss, lse and gradient arrays a linear loss writes."""
+    x_rows = x.rows()
+    n = x_rows.shape[0]
+    compute = _compute_dtype(x)
+    loss = empty(x, (n,) if opts["reduction"] == "none" else (), compute)
+    lse = empty(x, (n,), compute)
+    return x_rows, loss, lse, _linear_grads(x, w, b, n, bool(grad), bool(grad_weight))
+
+
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100,
                          reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                          temperature=1.0, normalizer=None, grad=False,
@@ -369,12 +379,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     opts = loss_options(reduction=reduction, ignore_index=ignore_index,
                         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                         temperature=temperature, normalizer=normalizer)
-    x_rows = x.rows()
-    n = x_rows.shape[0]
-    compute = _compute_dtype(x)
-    loss = empty(x, (n,) if opts["reduction"] == "none" else (), compute)
-    lse = empty(x, (n,), compute)
-    grads = _linear_grads(x, w, b, n, bool(grad), bool(grad_weight))
+    x_rows, loss, lse, grads = _linear_outputs(x, w, b, opts, grad, grad_weight)
     invoke_loss("forward_backward" if grad else "forward", x.device, hidden=x_rows,
                 weight=w.rows(), bias=_bias_rows(b), labels=y.flat(),
                 loss=loss, lse=lse, **grads, **opts)
@@ -402,12 +407,7 @@ def linear_distill(hidden, weight, teacher_ids, teacher_probs, *, bias=None, lab
                         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                         temperature=temperature, normalizer=normalizer, ce_weight=ce_weight,
                         kd_weight=kd_weight)
-    x_rows = x.rows()
-    n = x_rows.shape[0]
-    compute = _compute_dtype(x)
-    loss = empty(x, (n,) if opts["reduction"] == "none" else (), compute)
-    lse = empty(x, (n,), compute)
-    grads = _linear_grads(x, w, b, n, bool(grad), bool(grad_weight))
+    x_rows, loss, lse, grads = _linear_outputs(x, w, b, opts, grad, grad_weight)
     if probs.shape != ids.shape:
         raise ValueError(f"teacher_probs: expected shape {ids.shape} like teacher_ids, got {probs.shape}")
     invoke_loss("forward_backward" if grad else "forward", x.device, hidden=x_rows,
