@@ -426,41 +426,87 @@ class ModesBench {
   }
   ~ModesBench() { cudaStreamDestroy(stream_); }
 
-  // Median milliseconds of `repeats` runs of f, each after an L2 flush, timed by events.
+  // Median milliseconds of `repeats` runs of f, each after an L2 flush, timed by events. With
+  // floor_count > 0 each run of f follows a run of that floor (see run_floor), so both see the
+  // same clocks and temperature (a long run of products slows the card); the floor's median is
+  // kept for the row (last_floor_ms_).
   template <typename F>
-  double time(F&& f) {
+  double time(F&& f, int floor_count = 0) {
     cudaEvent_t start, stop;
     cuda_check(cudaEventCreate(&start), "event");
     cuda_check(cudaEventCreate(&stop), "event");
-    std::vector<double> times;
-    for (int r = -1; r < repeats_; ++r) {  // r = -1: warm-up (plans, pools)
+    auto timed = [&](auto&& g) {
       flush_.run(stream_);
       cuda_check(cudaEventRecord(start, stream_), "record");
-      f();
+      g();
       cuda_check(cudaEventRecord(stop, stream_), "record");
       cuda_check(cudaEventSynchronize(stop), "sync");
       float ms = 0;
       cuda_check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+      return double(ms);
+    };
+    std::vector<double> times, floors;
+    for (int r = -1; r < repeats_; ++r) {  // r = -1: warm-up (plans, pools)
+      if (floor_count > 0) {
+        const double floor = timed([&] { run_floor(floor_count); });
+        if (r >= 0) floors.push_back(floor);
+      }
+      const double ms = timed(f);
       if (r >= 0) times.push_back(ms);
     }
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
+    last_floor_ms_ = floor_count > 0 ? median(floors) : 0;
+    return median(times);
+  }
+  static double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
   }
 
   // The floor: the bare products of `count` kinds (1: forward; 2: + dX; 3: + dW).
-  double floor_ms(int count) {
+  void run_floor(int count) {
     if (!z_.ptr) z_ = DeviceBuffer(n_ * v_ * type_size(dt_));
-    return time([&] {
-      products_.run(n_, v_, h_, false, true, x_.ptr, w_.ptr, z_.ptr, dt_, dt_, stream_);
-      if (count >= 2) products_.run(n_, h_, v_, false, false, z_.ptr, w_.ptr, dx_.ptr, dt_, dt_, stream_);
-      if (count >= 3) products_.run(v_, h_, n_, true, false, z_.ptr, x_.ptr, dw_.ptr, dt_, LMLOSS_F32, stream_);
-    });
+    products_.run(n_, v_, h_, false, true, x_.ptr, w_.ptr, z_.ptr, dt_, dt_, stream_);
+    if (count >= 2) products_.run(n_, h_, v_, false, false, z_.ptr, w_.ptr, dx_.ptr, dt_, dt_, stream_);
+    if (count >= 3) products_.run(v_, h_, n_, true, false, z_.ptr, x_.ptr, dw_.ptr, dt_, LMLOSS_F32, stream_);
   }
-  void free_floor() { z_ = DeviceBuffer(); }
 
-  Row loss_mode(const std::string& mode, size_t budget) {
+  // The bare products of a chunked step summed over all tokens, for chunks of `rows` tokens: the
+  // forward product to f32 logits, dX, and dW accumulated in f32 (beta 1 after the first chunk).
+  // Says what the chunk height alone costs, apart from the row kernels.
+  void chunked_products(int64_t rows) {
+    if (!z_.ptr) z_ = DeviceBuffer(n_ * v_ * type_size(dt_));
+    DeviceBuffer z32(size_t(rows) * v_ * 4);
+    const size_t es = type_size(dt_);
+    auto each_chunk = [&](auto&& f) {
+      for (int64_t r0 = 0; r0 < n_; r0 += rows) f(r0, std::min(rows, n_ - r0));
+    };
+    const char* x = static_cast<const char*>(x_.ptr);
+    const char* g = static_cast<const char*>(z_.ptr);
+    const double fwd = time([&] {
+      each_chunk([&](int64_t r0, int64_t m) {
+        products_.run(m, v_, h_, false, true, x + r0 * h_ * es, w_.ptr, z32.ptr, dt_, LMLOSS_F32, stream_);
+      });
+    });
+    const double dx = time([&] {
+      each_chunk([&](int64_t r0, int64_t m) {
+        products_.run(m, h_, v_, false, false, g + r0 * v_ * es, w_.ptr, static_cast<char*>(dx_.ptr) + r0 * h_ * es,
+                      dt_, dt_, stream_);
+      });
+    });
+    const double dw = time([&] {
+      each_chunk([&](int64_t r0, int64_t m) {
+        products_.run(v_, h_, m, true, false, g + r0 * v_ * es, x + r0 * h_ * es, dw_.ptr, dt_, LMLOSS_F32, stream_,
+                      r0 > 0 ? 1.f : 0.f);
+      });
+    });
+    std::printf("products  chunk %5lld rows  forward->f32 %8.3f ms  dX %8.3f ms  dW(f32, beta 1) %8.3f ms  sum %8.3f ms\n",
+                (long long)rows, fwd, dx, dw, fwd + dx + dw);
+    std::fflush(stdout);
+  }
+
+  Row loss_mode(const std::string& mode, size_t budget, int floor_count) {
     Ctx ctx;
     ctx.set_stream(stream_);
     if (budget) ctx.set_workspace_budget(budget);
@@ -483,21 +529,23 @@ class ModesBench {
                                       want_dw ? dev_matrix(dw_.ptr, LMLOSS_F32, v_, h_) : none);
     const lmloss_tensor loss = dev_scalar(loss_.ptr, LMLOSS_F32);
     const bool forward_only = mode == "forward";
-    const double ms = time([&] {
-      if (forward_only)
-        lmloss::check(lmloss_loss_forward(ctx.get(), &head, &targets, &o, &loss, &none));
-      else
-        forward_backward(ctx, head, targets, o, loss, g);
-    });
+    const double ms = time(
+        [&] {
+          if (forward_only)
+            lmloss::check(lmloss_loss_forward(ctx.get(), &head, &targets, &o, &loss, &none));
+          else
+            forward_backward(ctx, head, targets, o, loss, g);
+        },
+        floor_count);
     ctx.synchronize();
     float l = 0;
     cuda_check(cudaMemcpy(&l, loss_.ptr, 4, cudaMemcpyDeviceToHost), "loss");
     if (!std::isfinite(l)) throw std::runtime_error(mode + ": the loss is not finite");
-    return {mode, double(ctx.workspace_budget()) / double(1 << 30), ms, 0, double(ctx.peak_workspace()) / double(1 << 30),
-            repeats_};
+    return {mode, double(ctx.workspace_budget()) / double(1 << 30), ms, last_floor_ms_,
+            double(ctx.peak_workspace()) / double(1 << 30), repeats_};
   }
 
-  Row topk_mode(int64_t k, size_t budget) {
+  Row topk_mode(int64_t k, size_t budget, int floor_count) {
     Ctx ctx;
     ctx.set_stream(stream_);
     if (budget) ctx.set_workspace_budget(budget);
@@ -507,9 +555,10 @@ class ModesBench {
     const lmloss_tensor ids = dev_matrix(topk_ids_.ptr, LMLOSS_I32, n_, k);
     const lmloss_tensor probs = dev_matrix(topk_probs_.ptr, LMLOSS_F32, n_, k);
     const lmloss_tensor none = lmloss_tensor_none();
-    const double ms = time([&] { lmloss::check(lmloss_topk(ctx.get(), &head, &o, &ids, &probs, &none)); });
+    const double ms =
+        time([&] { lmloss::check(lmloss_topk(ctx.get(), &head, &o, &ids, &probs, &none)); }, floor_count);
     ctx.synchronize();
-    return {"topk" + std::to_string(k), double(ctx.workspace_budget()) / double(1 << 30), ms, 0,
+    return {"topk" + std::to_string(k), double(ctx.workspace_budget()) / double(1 << 30), ms, last_floor_ms_,
             double(ctx.peak_workspace()) / double(1 << 30), repeats_};
   }
 
@@ -529,6 +578,7 @@ class ModesBench {
   Products products_;
   L2Flush flush_;
   DeviceBuffer x_, w_, labels_, ids_, probs_, dx_, dw_, loss_, topk_ids_, topk_probs_, z_;
+  double last_floor_ms_ = 0;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -546,9 +596,10 @@ std::vector<std::string> split(const std::string& s) {
 
 int run(int argc, char** argv) {
   std::string preset = "llama3-8b", modes = "fwd_bwd,dx_only,forward,topk64,topk2048,distill64", budgets = "",
-              json_path = "", dtype = "bf16";
+              json_path = "", dtype = "bf16", chunks = "";
   int64_t tokens = 0;
   int repeats = 10;
+  bool with_floor = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string key = argv[i], value = argv[i + 1];
     if (key == "--preset") preset = value;
@@ -558,6 +609,8 @@ int run(int argc, char** argv) {
     else if (key == "--repeats") repeats = std::stoi(value);
     else if (key == "--json") json_path = value;
     else if (key == "--dtype") dtype = value;
+    else if (key == "--product-chunks") chunks = value;
+    else if (key == "--floor") with_floor = value != "0";
     else throw std::invalid_argument("unknown option " + key);
   }
   const Preset* p = nullptr;
@@ -572,38 +625,28 @@ int run(int argc, char** argv) {
               dtype.c_str(), repeats);
   std::fflush(stdout);
 
+  // Every row's floor is timed in the same loop as the row itself, run for run (with --floor 0,
+  // not at all: the ratios then read as plain milliseconds).
+  const int floor_scale = with_floor ? 1 : 0;
   std::vector<Row> rows;
-  std::map<int, double> floors;
-  auto floor_of = [&](int count) {
-    if (!floors.count(count)) floors[count] = bench.floor_ms(count);
-    return floors[count];
-  };
-  floor_of(3);
-  floor_of(2);
-  floor_of(1);
-  bench.free_floor();
-  for (const std::string& mode : split(modes)) {
-    Row r;
-    if (mode.rfind("topk", 0) == 0 && mode != "topk") {
-      r = bench.topk_mode(std::stoll(mode.substr(4)), 0);
-      r.floor_ms = floor_of(1);
-    } else {
-      r = bench.loss_mode(mode, 0);
-      r.floor_ms = floor_of(mode == "forward" ? 1 : mode == "dx_only" ? 2 : 3);
-    }
+  for (const std::string& c : split(chunks)) bench.chunked_products(std::stoll(c));
+  auto report = [&](Row r) {
+    if (!with_floor) r.floor_ms = 1.0;
     rows.push_back(r);
     std::printf("%-10s budget %6.3f GiB  %8.3f ms  floor %8.3f ms  x%.3f  peak %.3f GiB\n", r.mode.c_str(),
                 r.budget_gib, r.ms, r.floor_ms, r.ms / r.floor_ms, r.peak_gib);
     std::fflush(stdout);
+  };
+  for (const std::string& mode : split(modes)) {
+    if (mode.rfind("topk", 0) == 0 && mode != "topk")
+      report(bench.topk_mode(std::stoll(mode.substr(4)), 0, floor_scale));
+    else
+      report(bench.loss_mode(mode, 0, floor_scale * (mode == "forward" ? 1 : mode == "dx_only" ? 2 : 3)));
   }
   for (const std::string& b : split(budgets)) {
-    Row r = bench.loss_mode("fwd_bwd", size_t(std::stod(b) * double(1 << 30)));
+    Row r = bench.loss_mode("fwd_bwd", size_t(std::stod(b) * double(1 << 30)), 3 * floor_scale);
     r.mode = "curve";
-    r.floor_ms = floor_of(3);
-    rows.push_back(r);
-    std::printf("%-10s budget %6.3f GiB  %8.3f ms  floor %8.3f ms  x%.3f  peak %.3f GiB\n", r.mode.c_str(),
-                r.budget_gib, r.ms, r.floor_ms, r.ms / r.floor_ms, r.peak_gib);
-    std::fflush(stdout);
+    report(r);
   }
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");
