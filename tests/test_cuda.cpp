@@ -85,6 +85,32 @@ TEST_F(Cuda, EveryOptionAcrossChunksMatchesReference) {
   }
 }
 
+// Rows of 50k and 100k logits (odd widths, each row longer than one block's pass): every option
+// at once, each dtype, against the reference over several chunks; and the forward's lse bitwise
+// the fused call's, as the contract's rule 2 asks.
+TEST_F(Cuda, LongRowsMatchReference) {
+  Generator gen(4010);
+  for (const int64_t vocab : {50021, 100003}) {
+    for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16, LMLOSS_F16}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " vocab " + std::to_string(vocab));
+      ProblemSpec spec{.n_tokens = 24, .vocab = vocab, .hidden = 32, .bias = true, .top_k = 6};
+      lmloss_loss_options o = options_named("smoothing_zloss_softcap_temperature");
+      o.kd_weight = 0.6;
+      LossCase c(gen.problem(spec), o, setup(dtype, LMLOSS_F32));
+      lmloss::Context ctx;
+      ctx.set_workspace_budget(budget_for_rows(10, vocab));
+      ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      expect_matches_reference(c, Mode::forward_backward);
+      const std::vector<double> fused_lse = c.lse.values();
+      ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      EXPECT_TRUE(bitwise_equal(c.lse.values(), fused_lse)) << "forward and fused lse differ";
+      ASSERT_EQ(c.backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      expect_matches_reference(c, Mode::backward);
+      EXPECT_LE(ctx.peak_workspace(), ctx.workspace_budget());
+    }
+  }
+}
+
 // Mean-reduced f16 gradients are ~1/N of O(1) values: without the power-of-two scale the
 // library applies before the products, most of dW would underflow in f16.
 TEST_F(Cuda, F16GradientsOfManyTokensKeepTheirSmallEntries) {
@@ -105,6 +131,32 @@ std::vector<double> all_outputs(const LossCase& c) {
     r.insert(r.end(), v.begin(), v.end());
   }
   return r;
+}
+
+// A budget where a dense 16-bit gradient chunk filled by 128-row logits chunks takes two chunks
+// where the gradient over its own logits would take three: the 16-bit dtypes go that way (f32
+// keeps the gradient in place), the last chunk ragged, every option on; against the reference,
+// within the budget, and bitwise the same on a second run.
+TEST_F(Cuda, SeparateGradientChunkMatchesReference) {
+  Generator gen(4011);
+  for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16, LMLOSS_F32}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    ProblemSpec spec{.n_tokens = 700, .vocab = 1999, .hidden = 72, .bias = true, .top_k = 5};
+    lmloss_loss_options o = options_named("smoothing_zloss_softcap_temperature");
+    o.kd_weight = 0.4;
+    LossCase c(gen.problem(spec), o, setup(dtype, LMLOSS_F32));
+    lmloss::Context ctx;
+    ctx.set_workspace_budget(size_t(3) << 20);
+    for (Mode mode : {Mode::forward_backward, Mode::backward}) {
+      ASSERT_EQ(c.run(ctx.get(), mode), LMLOSS_SUCCESS) << lmloss_last_error();
+      expect_matches_reference(c, mode);
+    }
+    EXPECT_LE(ctx.peak_workspace(), ctx.workspace_budget());
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    const std::vector<double> first = all_outputs(c);
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_TRUE(bitwise_equal(first, all_outputs(c)));
+  }
 }
 
 TEST_F(Cuda, RunsAreBitwiseIdentical) {

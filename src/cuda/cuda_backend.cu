@@ -3,8 +3,10 @@
 //
 // Linear head, per chunk of `rows` tokens (logits never exist beyond the chunk):
 //   Z   (rows, vocab) f32  = X_chunk W^T                      cuBLASLt
-//   row kernel: loss, lse, and dZ written over Z (f32 inputs) or into G (rows, vocab) of the
-//               input dtype; f16 gradients are stored times S (see CallScalars)
+//   row kernel: loss, lse, and dZ written over Z (narrowed in place to 16-bit inputs' dtype),
+//               or, where dW is wanted and that gives fewer chunks, into a dense G (rows, vocab)
+//               of the input dtype that several smaller Z chunks fill in turn (plan_separate_grad); f16
+//               gradients are stored times S (see CallScalars)
 //   dX_chunk (rows, hidden) = G W / S                          cuBLASLt
 //   dW (vocab, hidden)     += G^T X_chunk / S                  cuBLASLt, beta 1 after the first chunk
 //   db (vocab)             += column sums of G / S, rows in order
@@ -209,16 +211,67 @@ MatmulShape logits_product(const Call& call, int64_t rows, int64_t logits_ld, si
   return s;
 }
 
-enum LossPiece { kLogitsChunk, kMatmulWs, kSparse, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces };
+enum LossPiece { kLogitsChunk, kGradChunk, kMatmulWs, kSparse, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces };
 
 struct LossPlan {
   Layout<kLossPieces> layout;
-  int64_t chunk_rows = 0;
+  int64_t chunk_rows = 0;         // rows of a chunk: the backward products' height
+  int64_t logits_rows = 0;        // linear: rows of the logits chunk (a chunk's forward products)
   int64_t logits_ld = 0;          // linear: row stride of the logits chunk (a multiple of 8)
+  bool separate_grad = false;     // linear: gradient in its own dense chunk, not over the logits
   int64_t grad_ld = 0;            // linear: row stride of the gradient chunk, in its elements
   lmloss_dtype grad_dtype = LMLOSS_F32;
   size_t matmul_ws = 0;
 };
+
+int64_t chunk_count(int64_t n, int64_t rows) { return rows > 0 ? (n + rows - 1) / rows : 0; }
+
+// The other layout for 16-bit gradients: a dense gradient chunk of 2 bytes per logit, filled by
+// several smaller f32 logits chunks in turn. The backward products then run over more rows at once
+// for the same budget, and each chunk beyond the first re-reads and re-writes the f32 dW (V H 4
+// bytes each way): fewer chunks is what pays. Chunks are evened out (no short last chunk: a dW
+// product of few rows runs far below its rate), then the logits chunk takes what budget is left.
+LossPlan plan_separate_grad(const lmloss_context& context, const core::LossCall& call, const LossPlan& in_place) {
+  LossPlan p = in_place;
+  p.separate_grad = true;
+  p.grad_ld = p.logits_ld;
+  Piece* pc = p.layout.pieces;
+  const size_t logits_row = sizeof(float) * size_t(p.logits_ld);
+  pc[kGradChunk] = {0, 2 * size_t(p.logits_ld), 256};
+  const size_t budget = context.workspace_budget;
+  const int64_t n = call.n_tokens;
+  // Logits chunks of 512 rows keep the forward product near its rate (each one reads all of W:
+  // below ~256 rows it is memory-bound on an H200); smaller budgets try 256 and 128 rows, where
+  // the dW traffic saved still outweighs the slower forward (measured 2026-12-02: 8-row chunks
+  // made the step 5x slower).
+  int64_t best_chunks = chunk_count(n, in_place.chunk_rows);
+  LossPlan best = in_place;
+  for (int64_t logits_rows = 512; logits_rows >= 128; logits_rows /= 2) {
+    pc[kLogitsChunk] = {logits_rows * logits_row, 0, 256};
+    const int64_t rows = fit_rows(p.layout, budget, n, n);
+    if (rows < logits_rows) continue;
+    const int64_t chunks = chunk_count(n, rows);
+    if (chunks >= best_chunks) continue;
+    LossPlan q = p;
+    q.chunk_rows = rows;
+    const int64_t even = (n + chunks - 1) / chunks;
+    if (even >= 256) q.chunk_rows = std::min(rows, (even + 127) / 128 * 128);
+    q.logits_rows = logits_rows;
+    for (int64_t grown = q.chunk_rows / 128 * 128; grown > logits_rows; grown -= 128) {
+      q.layout.pieces[kLogitsChunk].fixed = grown * logits_row;
+      if (q.layout.total(q.chunk_rows) <= budget) {
+        q.logits_rows = grown;
+        break;
+      }
+    }
+    q.logits_rows = std::min(q.logits_rows, q.chunk_rows);
+    q.layout.pieces[kLogitsChunk].fixed = q.logits_rows * logits_row;
+    best = q;
+    best_chunks = chunks;
+    break;
+  }
+  return best;
+}
 
 LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   LossPlan p;
@@ -240,7 +293,11 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     if (call.head.bias.data) pc[kBiasF32].fixed = sizeof(float) * call.vocab;
     if (grads && call.grads.grad_bias.data) pc[kBiasGrad].fixed = sizeof(float) * call.vocab;
   }
-  p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, call.n_tokens);
+  p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, call.n_tokens);
+  if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32) {
+    const LossPlan split = plan_separate_grad(context, call, p);
+    if (chunk_count(call.n_tokens, split.chunk_rows) < chunk_count(call.n_tokens, p.chunk_rows)) return split;
+  }
   return p;
 }
 
@@ -343,6 +400,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   const size_t matmul_ws_bytes = plan.matmul_ws;
   float* sparse = static_cast<float*>(piece(kSparse));
   float* logits_chunk = static_cast<float*>(piece(kLogitsChunk));
+  void* grad_chunk = piece(kGradChunk);
 
   PrepareArgs prep;
   prep.n_tokens = call.n_tokens;
@@ -398,20 +456,28 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       continue;
     }
 
-    const MatmulShape fwd = logits_product(call, rows, plan.logits_ld, matmul_ws_bytes);
+    // The chunk's logits, a logits chunk at a time (the whole chunk unless the gradient has its
+    // own buffer), each followed by its row kernel.
     const void* x_chunk = x + row0 * x_ld * in_size;
-    LMLOSS_CHECK(r.state.matmul.run(fwd, call.head.weight.data, x_chunk, logits_chunk, &scalars->one,
-                                    &scalars->zero, matmul_ws, r.stream));
-    a.logits = logits_chunk;
-    a.logits_ld = plan.logits_ld;
-    a.logits_dtype = LMLOSS_F32;
-    void* grad = logits_chunk;
-    if (a.work != RowWork::stats) {
-      a.grad = grad;
-      a.grad_ld = plan.grad_ld;
-      a.grad_dtype = plan.grad_dtype;
+    char* grad = static_cast<char*>(plan.separate_grad ? grad_chunk : logits_chunk);
+    const size_t grad_size = core::dtype_size(plan.grad_dtype);
+    for (int64_t sub0 = 0; sub0 < rows; sub0 += plan.logits_rows) {
+      const int64_t sub_rows = std::min(plan.logits_rows, rows - sub0);
+      const MatmulShape fwd = logits_product(call, sub_rows, plan.logits_ld, matmul_ws_bytes);
+      LMLOSS_CHECK(r.state.matmul.run(fwd, call.head.weight.data, x + (row0 + sub0) * x_ld * in_size,
+                                      logits_chunk, &scalars->one, &scalars->zero, matmul_ws, r.stream));
+      a.row0 = row0 + sub0;
+      a.rows = sub_rows;
+      a.logits = logits_chunk;
+      a.logits_ld = plan.logits_ld;
+      a.logits_dtype = LMLOSS_F32;
+      if (a.work != RowWork::stats) {
+        a.grad = grad + sub0 * plan.grad_ld * grad_size;
+        a.grad_ld = plan.grad_ld;
+        a.grad_dtype = plan.grad_dtype;
+      }
+      LMLOSS_CHECK(launch_loss_rows(a, r.stream));
     }
-    LMLOSS_CHECK(launch_loss_rows(a, r.stream));
     if (a.work == RowWork::stats) continue;
 
     const lmloss_dtype gtype = a.grad_dtype;
