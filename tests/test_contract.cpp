@@ -190,6 +190,41 @@ TEST_P(Contract, Deterministic) {
   }
 }
 
+// Rule 7 with product tuning on (lmloss_context_set_product_tuning): the tuned context agrees
+// with the reference, and once tuned, gives bitwise the same outputs call after call; the
+// tuning's trial products leave no trace in accumulated gradients. On the CPU tuning changes
+// nothing at all.
+TEST_P(Contract, TunedProductsStayDeterministic) {
+  Generator gen(509);
+  lmloss_loss_options o = training_options();
+  o.kd_weight = 0.5;
+  o.flags = LMLOSS_ACCUMULATE_GRAD_WEIGHT;
+  const ProblemSpec spec{.n_tokens = 300, .vocab = 2053, .hidden = 64, .bias = true, .top_k = 4};
+  const reference::Problem p = gen.problem(spec);
+  LossSetup s = setup(LMLOSS_BF16);
+  s.grad_dtype = LMLOSS_F32;
+  s.grad_weight_initial = gen.normal(spec.vocab * spec.hidden, 0.01);
+  LossCase c(p, o, s);
+  const size_t budget = size_t(100) * 2053 * 8;  // several chunks: dW accumulates with beta 1
+  ctx.set_workspace_budget(budget);
+  ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  const std::vector<double> untuned = all_values(c);
+  lmloss::Context tuned;
+  tuned.set_workspace_budget(budget);
+  tuned.set_product_tuning(true);
+  ASSERT_EQ(c.forward_backward(tuned.get()), LMLOSS_SUCCESS) << lmloss_last_error();  // tunes
+  expect_matches_reference(c, Mode::forward_backward);
+  const std::vector<double> first = all_values(c);
+  if (device() == Device::cpu) {
+    EXPECT_TRUE(bitwise_equal(first, untuned));
+  }
+  for (int repeat = 0; repeat < 2; ++repeat) {
+    ASSERT_EQ(c.forward_backward(tuned.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_TRUE(bitwise_equal(all_values(c), first)) << "run " << repeat + 2;
+  }
+  EXPECT_EQ(lmloss_context_set_product_tuning(nullptr, 1), LMLOSS_ERROR_INVALID_ARGUMENT);
+}
+
 // Rules 5 and 7 together: a context keeps its workspace between calls, and what an earlier call
 // left there (NaN everywhere, here) never reaches a later call's outputs: the same call gives
 // bitwise the same results on that context and on a fresh one.

@@ -125,29 +125,44 @@ class Products {
       const uint64_t ws = kWorkspace;
       lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
                "pref ws");
-      cublasLtMatmulHeuristicResult_t result{};
+      cublasLtMatmulHeuristicResult_t results[kCandidates]{};
       int found = 0;
-      lt_check(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found),
+      lt_check(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, kCandidates, results,
+                                              &found),
                "heuristic");
       cublasLtMatmulPreferenceDestroy(pref);
       if (!found) throw std::runtime_error("cuBLASLt: no algorithm");
-      p.algo = result.algo;
+      p.algo = results[0].algo;
+      for (int i = 0; i < found; ++i) p.candidates.push_back(results[i].algo);
       it = plans_.emplace(key, p).first;
     }
     const Plan& p = it->second;
     const float alpha = 1.f;
-    lt_check(cublasLtMatmul(handle_, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &p.algo, workspace_,
+    const cublasLtMatmulAlgo_t& algo = candidate_ < 0 ? p.algo : p.candidates[std::min<size_t>(candidate_, p.candidates.size() - 1)];
+    lt_check(cublasLtMatmul(handle_, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &algo, workspace_,
                             kWorkspace, stream),
              "cublasLtMatmul");
   }
+#if defined(LMLOSS_BENCH_CUDA_MAIN)  // the modes program's algorithm survey
+  // How many algorithms the heuristic offered for a planned shape (run it once first).
+  size_t candidates(int64_t m, int64_t n, int64_t k, bool a_t, bool b_t, lmloss_dtype ab, lmloss_dtype c_type) const {
+    const auto it = plans_.find(std::make_tuple(m, n, k, a_t, b_t, int(ab), int(c_type)));
+    return it == plans_.end() ? 0 : it->second.candidates.size();
+  }
+  // Later runs use the heuristic's i-th algorithm (-1: its first, the default).
+  void use_candidate(int i) { candidate_ = i; }
+#endif
 
  private:
   struct Plan {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t a, b, c;
     cublasLtMatmulAlgo_t algo;
+    std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's list, best first
   };
   static constexpr size_t kWorkspace = size_t(32) << 20;
+  static constexpr int kCandidates = 8;
+  int candidate_ = -1;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   std::map<std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int>, Plan> plans_;
@@ -425,6 +440,7 @@ class ModesBench {
     cuda_check(cudaDeviceSynchronize(), "inputs");
   }
   ~ModesBench() { cudaStreamDestroy(stream_); }
+  void tune_products(bool on) { tune_ = on; }
 
   // Median milliseconds of `repeats` runs of f, each after an L2 flush, timed by events. With
   // floor_count > 0 each run of f follows a run of that floor (see run_floor), so both see the
@@ -472,6 +488,43 @@ class ModesBench {
     if (count >= 3) products_.run(v_, h_, n_, true, false, z_.ptr, x_.ptr, dw_.ptr, dt_, LMLOSS_F32, stream_);
   }
 
+  // Each product of the step at chunk height `rows` (and at the full height, as the floor runs
+  // it) with every algorithm the cuBLASLt heuristic offers: is its first choice the fastest?
+  void survey_algorithms(int64_t rows) {
+    if (!z_.ptr) z_ = DeviceBuffer(n_ * v_ * type_size(dt_));
+    DeviceBuffer z32(size_t(rows) * v_ * 4);
+    struct Shape {
+      const char* name;
+      int64_t m, n, k;
+      bool a_t, b_t;
+      const void *a, *b;
+      void* c;
+      lmloss_dtype c_type;
+      float beta;
+    };
+    const Shape shapes[] = {
+        {"forward bf16 (floor)", n_, v_, h_, false, true, x_.ptr, w_.ptr, z_.ptr, dt_, 0.f},
+        {"forward f32 chunk", rows, v_, h_, false, true, x_.ptr, w_.ptr, z32.ptr, LMLOSS_F32, 0.f},
+        {"dX (floor)", n_, h_, v_, false, false, z_.ptr, w_.ptr, dx_.ptr, dt_, 0.f},
+        {"dX chunk", rows, h_, v_, false, false, z_.ptr, w_.ptr, dx_.ptr, dt_, 0.f},
+        {"dW (floor)", v_, h_, n_, true, false, z_.ptr, x_.ptr, dw_.ptr, LMLOSS_F32, 0.f},
+        {"dW chunk, beta 1", v_, h_, rows, true, false, z_.ptr, x_.ptr, dw_.ptr, LMLOSS_F32, 1.f},
+    };
+    for (const Shape& sh : shapes) {
+      auto run = [&] { products_.run(sh.m, sh.n, sh.k, sh.a_t, sh.b_t, sh.a, sh.b, sh.c, dt_, sh.c_type, stream_, sh.beta); };
+      run();
+      const size_t count = products_.candidates(sh.m, sh.n, sh.k, sh.a_t, sh.b_t, dt_, sh.c_type);
+      std::printf("algos %-22s rows %5lld:", sh.name, (long long)rows);
+      for (size_t i = 0; i < count; ++i) {
+        products_.use_candidate(int(i));
+        std::printf(" %7.3f", time(run));
+      }
+      products_.use_candidate(-1);
+      std::printf(" ms\n");
+      std::fflush(stdout);
+    }
+  }
+
   // The bare products of a chunked step summed over all tokens, for chunks of `rows` tokens: the
   // forward product to f32 logits, dX, and dW accumulated in f32 (beta 1 after the first chunk).
   // Says what the chunk height alone costs, apart from the row kernels.
@@ -509,6 +562,7 @@ class ModesBench {
   Row loss_mode(const std::string& mode, size_t budget, int floor_count) {
     Ctx ctx;
     ctx.set_stream(stream_);
+    ctx.set_product_tuning(tune_);
     if (budget) ctx.set_workspace_budget(budget);
     const bool distill = mode == "distill64";
     const bool want_dw = mode == "fwd_bwd" || distill;
@@ -548,6 +602,7 @@ class ModesBench {
   Row topk_mode(int64_t k, size_t budget, int floor_count) {
     Ctx ctx;
     ctx.set_stream(stream_);
+    ctx.set_product_tuning(tune_);
     if (budget) ctx.set_workspace_budget(budget);
     const lmloss_head head = linear_head(dev_matrix(x_.ptr, dt_, n_, h_), dev_matrix(w_.ptr, dt_, v_, h_));
     lmloss_topk_options o = lmloss_topk_options_default();
@@ -579,6 +634,7 @@ class ModesBench {
   L2Flush flush_;
   DeviceBuffer x_, w_, labels_, ids_, probs_, dx_, dw_, loss_, topk_ids_, topk_probs_, z_;
   double last_floor_ms_ = 0;
+  bool tune_ = false;  // lmloss_context_set_product_tuning on the library's contexts
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -596,10 +652,10 @@ std::vector<std::string> split(const std::string& s) {
 
 int run(int argc, char** argv) {
   std::string preset = "llama3-8b", modes = "fwd_bwd,dx_only,forward,topk64,topk2048,distill64", budgets = "",
-              json_path = "", dtype = "bf16", chunks = "";
+              json_path = "", dtype = "bf16", chunks = "", survey = "";
   int64_t tokens = 0;
   int repeats = 10;
-  bool with_floor = true;
+  bool with_floor = true, tune = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string key = argv[i], value = argv[i + 1];
     if (key == "--preset") preset = value;
@@ -611,6 +667,8 @@ int run(int argc, char** argv) {
     else if (key == "--dtype") dtype = value;
     else if (key == "--product-chunks") chunks = value;
     else if (key == "--floor") with_floor = value != "0";
+    else if (key == "--survey-rows") survey = value;
+    else if (key == "--tune") tune = value != "0";
     else throw std::invalid_argument("unknown option " + key);
   }
   const Preset* p = nullptr;
@@ -620,9 +678,10 @@ int run(int argc, char** argv) {
   const int64_t n = tokens > 0 ? tokens : p->tokens;
   const lmloss_dtype dt = dtype == "f16" ? LMLOSS_F16 : dtype == "f32" ? LMLOSS_F32 : LMLOSS_BF16;
   ModesBench bench(n, p->hidden, p->vocab, dt, repeats);
-  std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events\n",
+  bench.tune_products(tune);
+  std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events%s\n",
               device_description().c_str(), p->name, (long long)n, (long long)p->hidden, (long long)p->vocab,
-              dtype.c_str(), repeats);
+              dtype.c_str(), repeats, tune ? ", products tuned" : "");
   std::fflush(stdout);
 
   // Every row's floor is timed in the same loop as the row itself, run for run (with --floor 0,
@@ -630,6 +689,7 @@ int run(int argc, char** argv) {
   const int floor_scale = with_floor ? 1 : 0;
   std::vector<Row> rows;
   for (const std::string& c : split(chunks)) bench.chunked_products(std::stoll(c));
+  for (const std::string& r : split(survey)) bench.survey_algorithms(std::stoll(r));
   auto report = [&](Row r) {
     if (!with_floor) r.floor_ms = 1.0;
     rows.push_back(r);

@@ -142,6 +142,13 @@ LMLOSS_API lmloss_status lmloss_context_set_num_threads(lmloss_context* context,
 /* CUDA: the stream (a cudaStream_t; NULL = the legacy default stream) on which calls enqueue work.
  * Calls never synchronise it. */
 LMLOSS_API lmloss_status lmloss_context_set_stream(lmloss_context* context, void* stream);
+/* CUDA: when enabled (off by default), the first call that meets a product shape times every
+ * algorithm cuBLASLt's heuristic offers for it, on that call's operands, and the context keeps
+ * the fastest for later calls. That first call waits for the device (it synchronises the stream)
+ * and does the work up to ~30 times over; later calls are as before. Results stay bitwise the
+ * same from call to call on one context, but another context (or process) may time differently,
+ * choose another algorithm and round differently. No effect on the CPU. */
+LMLOSS_API lmloss_status lmloss_context_set_product_tuning(lmloss_context* context, int enabled);
 /* CUDA: take workspace from this allocator instead of cudaMallocAsync. NULL restores the default. */
 LMLOSS_API lmloss_status lmloss_context_set_allocator(lmloss_context* context,
                                                       const lmloss_allocator* allocator);

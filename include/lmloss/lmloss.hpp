@@ -106,6 +106,7 @@ class Context {
   }
   void reset_peak_workspace() { check(lmloss_context_reset_peak_workspace(context_)); }
   void set_num_threads(int n) { check(lmloss_context_set_num_threads(context_, n)); }
+  void set_product_tuning(bool enabled) { check(lmloss_context_set_product_tuning(context_, enabled ? 1 : 0)); }
   void set_stream(void* stream) { check(lmloss_context_set_stream(context_, stream)); }
   void set_allocator(const lmloss_allocator* allocator) {
     check(lmloss_context_set_allocator(context_, allocator));

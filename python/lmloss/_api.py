@@ -482,6 +482,16 @@ def reset_peak_workspace(device: int = -1) -> None:
     _lmloss.reset_peak_workspace(device)
 
 
+def set_product_tuning(enabled: bool) -> None:
+    """CUDA: time cuBLASLt's candidate algorithms for each product shape on its first call and
+    keep the fastest (off by default). That first call synchronises the device and costs up to
+    ~30 times the product; later calls are as fast as the choice. Results stay bitwise the same
+    from call to call of this thread, but another process may choose, and round, differently."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+    _lmloss.set_product_tuning(enabled)
+
+
 def set_num_threads(num_threads: int) -> None:
     """CPU threads for this thread's calls; 0: all cores."""
     try:

@@ -194,6 +194,7 @@ struct ThreadState {
   std::map<int, std::unique_ptr<DeviceContext>> contexts;  // key: -1 for the CPU, else the ordinal
   size_t workspace_budget = 0;                             // 0: the library's default
   int num_threads = -1;                                    // -1: the library's default
+  bool tune_products = false;
 
   DeviceContext& get(int key) {
     auto& slot = contexts[key];
@@ -201,6 +202,7 @@ struct ThreadState {
       slot = std::make_unique<DeviceContext>();
       if (workspace_budget) slot->context.set_workspace_budget(workspace_budget);
       if (num_threads >= 0) slot->context.set_num_threads(num_threads);
+      if (tune_products) slot->context.set_product_tuning(true);
     }
     return *slot;
   }
@@ -388,6 +390,11 @@ NB_MODULE(_lmloss, m) {
     for (auto& [key, dc] : state.contexts) dc->context.set_num_threads(n);
     state.num_threads = n;
   }, nb::arg("num_threads"));
+  m.def("set_product_tuning", [](bool enabled) {
+    ThreadState& state = thread_state();
+    for (auto& [key, dc] : state.contexts) dc->context.set_product_tuning(enabled);
+    state.tune_products = enabled;
+  }, nb::arg("enabled"));
   m.def("backend_available", [](const std::string& device) {
     if (device == "cpu") return lmloss::backend_available(LMLOSS_DEVICE_CPU);
     if (device == "cuda") return lmloss::backend_available(LMLOSS_DEVICE_CUDA);

@@ -143,6 +143,12 @@ lmloss_status lmloss_context_set_num_threads(lmloss_context* context, int num_th
   return succeed();
 }
 
+lmloss_status lmloss_context_set_product_tuning(lmloss_context* context, int enabled) {
+  if (!context) return fail(LMLOSS_ERROR_INVALID_ARGUMENT, "context: is NULL");
+  context->tune_products = enabled != 0;
+  return succeed();
+}
+
 lmloss_status lmloss_context_set_stream(lmloss_context* context, void* stream) {
   if (!context) return fail(LMLOSS_ERROR_INVALID_ARGUMENT, "context: is NULL");
   context->stream = stream;

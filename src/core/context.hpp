@@ -13,6 +13,7 @@ struct lmloss_context {
   size_t workspace_in_use = 0;
   size_t workspace_peak = 0;
   int num_threads = 0;  // 0: all cores
+  bool tune_products = false;  // CUDA: time the heuristic's algorithms per product shape
   void* stream = nullptr;
   lmloss_allocator allocator{};
   bool has_allocator = false;

@@ -465,7 +465,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       const int64_t sub_rows = std::min(plan.logits_rows, rows - sub0);
       const MatmulShape fwd = logits_product(call, sub_rows, plan.logits_ld, matmul_ws_bytes);
       LMLOSS_CHECK(r.state.matmul.run(fwd, call.head.weight.data, x + (row0 + sub0) * x_ld * in_size,
-                                      logits_chunk, &scalars->one, &scalars->zero, matmul_ws, r.stream));
+                                      logits_chunk, &scalars->one, &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
       a.row0 = row0 + sub0;
       a.rows = sub_rows;
       a.logits = logits_chunk;
@@ -495,7 +495,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       s.workspace_bytes = matmul_ws_bytes;
       char* d = static_cast<char*>(g.grad_hidden.data) + row0 * s.ldd * int64_t(core::dtype_size(s.d_type));
       LMLOSS_CHECK(r.state.matmul.run(s, call.head.weight.data, grad, d, &scalars->inv_grad_scale,
-                                      &scalars->zero, matmul_ws, r.stream));
+                                      &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
     }
     if (g.grad_weight.data) {
       // dW: column-major (hidden, vocab) = X_chunk^T (hidden, rows) * G (rows, vocab).
@@ -512,7 +512,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       s.workspace_bytes = matmul_ws_bytes;
       const bool add = row0 > 0 || accumulate_w;
       LMLOSS_CHECK(r.state.matmul.run(s, x_chunk, grad, g.grad_weight.data, &scalars->inv_grad_scale,
-                                      add ? &scalars->one : &scalars->zero, matmul_ws, r.stream));
+                                      add ? &scalars->one : &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
     }
     if (bias_grad)
       LMLOSS_CHECK(launch_column_sum(grad, plan.grad_ld, gtype, rows, call.vocab, row0 > 0, scalars,
@@ -638,7 +638,7 @@ class CudaBackend final : public core::Backend {
       if (call.linear) {
         const MatmulShape fwd = logits_product(call, rows, plan.logits_ld, matmul_ws_bytes);
         LMLOSS_CHECK(state->matmul.run(fwd, call.head.weight.data, x + row0 * x_ld * in_size, logits_chunk,
-                                       &scalars->one, &scalars->zero, matmul_ws, stream));
+                                       &scalars->one, &scalars->zero, matmul_ws, stream, context.tune_products));
         a.logits = logits_chunk;
         a.logits_ld = plan.logits_ld;
         a.logits_dtype = LMLOSS_F32;

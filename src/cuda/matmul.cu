@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/context.hpp"
+#include "cuda/common.cuh"
 #include "cuda/cublaslt_library.hpp"
 
 namespace lmloss::cuda {
@@ -44,15 +45,18 @@ void destroy(MatmulPlan& p) {
 MatmulCache::~MatmulCache() {
   for (auto& [shape, plan] : plans_) destroy(plan);
   if (handle_) lt().Destroy(handle_);
+  if (zero_) cudaFree(zero_);
 }
 
 lmloss_status MatmulCache::init() {
   if (handle_) return LMLOSS_SUCCESS;
   LMLOSS_LT_TRY("create", lt().Create(&handle_));
+  LMLOSS_CUDA_TRY(cudaMalloc(&zero_, sizeof(float)));
+  LMLOSS_CUDA_TRY(cudaMemset(zero_, 0, sizeof(float)));
   return LMLOSS_SUCCESS;
 }
 
-lmloss_status MatmulCache::plan(const MatmulShape& s, const MatmulPlan** out) {
+lmloss_status MatmulCache::plan(const MatmulShape& s, MatmulPlan** out) {
   if (auto it = plans_.find(s); it != plans_.end()) {
     *out = &it->second;
     return LMLOSS_SUCCESS;
@@ -100,31 +104,85 @@ lmloss_status MatmulCache::plan(const MatmulShape& s, const MatmulPlan** out) {
   if (st == CUBLAS_STATUS_SUCCESS)
     st = lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                               &s.align_d, sizeof(s.align_d));
-  cublasLtMatmulHeuristicResult_t result{};
+  constexpr int kCandidates = 8;  // what tuning may time; the first is used untuned
+  cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = lt().MatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result,
-                                        &found);
+    st = lt().MatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, pref, kCandidates,
+                                        results, &found);
   lt().MatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS) return fail_with("heuristic", st);
   if (found == 0) return fail_with("heuristic (no algorithm)", CUBLAS_STATUS_NOT_SUPPORTED);
-  p.algo = result.algo;
+  p.algo = results[0].algo;
+  for (int i = 0; i < found; ++i) p.candidates.push_back(results[i].algo);
   auto [it, inserted] = plans_.emplace(s, p);
   *out = &it->second;
   return LMLOSS_SUCCESS;
 }
 
+// Times each candidate on the call's own operands and keeps the fastest. The timing runs take
+// alpha = 0 (a device pointer, so the product is still computed in full) and the call's beta:
+// D is left as it was when beta is 1 (accumulation) and zeroed when beta is 0, and the call's
+// own run follows either way.
+lmloss_status MatmulCache::tune(MatmulPlan& p, const MatmulShape& s, const void* a, const void* b,
+                                void* d, const float* beta, void* workspace, cudaStream_t stream) {
+  p.tuned = true;
+  if (p.candidates.size() < 2) return LMLOSS_SUCCESS;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  LMLOSS_CUDA_TRY(cudaEventCreate(&start));
+  if (const cudaError_t e = cudaEventCreate(&stop); e != cudaSuccess) {
+    cudaEventDestroy(start);
+    LMLOSS_CUDA_TRY(e);
+  }
+  constexpr int kRuns = 3;  // after one warm-up run; the best of them counts
+  float best_ms = 0.f;
+  lmloss_status status = LMLOSS_SUCCESS;
+  for (const cublasLtMatmulAlgo_t& algo : p.candidates) {
+    auto launch = [&] {
+      return lt().Matmul(handle_, p.desc, zero_, a, p.a, b, p.b, beta, d, p.d, d, p.d, &algo,
+                         workspace, s.workspace_bytes, stream);
+    };
+    if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that will not run is skipped
+    float fastest = 0.f;
+    for (int r = 0; r < kRuns; ++r) {
+      float ms = 0.f;
+      if (cudaEventRecord(start, stream) != cudaSuccess || launch() != CUBLAS_STATUS_SUCCESS ||
+          cudaEventRecord(stop, stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess ||
+          cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
+        status = core::fail(LMLOSS_ERROR_BACKEND, "cuBLASLt: timing a candidate algorithm failed");
+        break;
+      }
+      if (r == 0 || ms < fastest) fastest = ms;
+    }
+    if (status != LMLOSS_SUCCESS) break;
+    if (best_ms == 0.f || fastest < best_ms) {
+      best_ms = fastest;
+      p.algo = algo;
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  // A time above the card's peak rate means the timing saw something else than the product
+  // (say, a kernel that skips its work when alpha is 0): keep the heuristic's first choice.
+  const double flops = 2.0 * double(s.m) * double(s.n) * double(s.k);
+  if (status == LMLOSS_SUCCESS && best_ms > 0.f && flops / (double(best_ms) * 1e-3) > 2e15)
+    p.algo = p.candidates.front();
+  return status;
+}
+
 lmloss_status MatmulCache::run(MatmulShape shape, const void* a, const void* b, void* d,
                                const float* alpha, const float* beta, void* workspace,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, bool tuning) {
   const int64_t ab_size = shape.ab_type == LMLOSS_F32 ? 4 : 2;
   const int64_t d_size = shape.d_type == LMLOSS_F32 ? 4 : 2;
   shape.align_a = matrix_alignment(a, shape.lda * ab_size);
   shape.align_b = matrix_alignment(b, shape.ldb * ab_size);
   shape.align_d = matrix_alignment(d, shape.ldd * d_size);
   if (workspace == nullptr) shape.workspace_bytes = 0;
-  const MatmulPlan* p = nullptr;
+  MatmulPlan* p = nullptr;
   if (const lmloss_status st = plan(shape, &p); st != LMLOSS_SUCCESS) return st;
+  if (tuning && !p->tuned)
+    if (const lmloss_status st = tune(*p, shape, a, b, d, beta, workspace, stream); st != LMLOSS_SUCCESS) return st;
   LMLOSS_LT_TRY("matmul", lt().Matmul(handle_, p->desc, alpha, a, p->a, b, p->b, beta, d, p->d,
                                          d, p->d, &p->algo, workspace, shape.workspace_bytes,
                                          stream));

@@ -5,8 +5,9 @@
 //   grad_w    dW (vocab, hidden) = dZ^T X  (+ dW when accumulating)
 //
 // cuBLASLt is column-major, so each row-major product is issued as its transpose. A descriptor,
-// its layouts and the algorithm the heuristic picks are made once per problem shape and cached in
-// the context's CUDA state. alpha and beta are device pointers: the f16 gradient scale is known
+// its layouts and the algorithm the heuristic puts first are made once per problem shape and
+// cached in the context's CUDA state; with tuning on, the heuristic's candidates are timed on the
+// shape's first run instead and the fastest kept (that run synchronises the stream). alpha and beta are device pointers: the f16 gradient scale is known
 // only on the device.
 #pragma once
 
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <map>
 #include <tuple>
+#include <vector>
 
 #include "lmloss/lmloss.h"
 
@@ -43,7 +45,9 @@ struct MatmulShape {
 struct MatmulPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo{};
+  cublasLtMatmulAlgo_t algo{};                    // the heuristic's first, or the fastest timed
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's list, best guess first
+  bool tuned = false;
 };
 
 // The largest power of two (at most 256) dividing both the address and the column stride in
@@ -66,12 +70,17 @@ class MatmulCache {
   lmloss_status init();
   // D = alpha op(A) op(B) + beta D on `stream`; alpha and beta point to device floats. The
   // shape's alignments are taken from the pointers.
+  // With `tuning`, a shape's first run times its candidates first (lmloss_context_set_product_tuning).
   lmloss_status run(MatmulShape shape, const void* a, const void* b, void* d,
-                    const float* alpha, const float* beta, void* workspace, cudaStream_t stream);
+                    const float* alpha, const float* beta, void* workspace, cudaStream_t stream,
+                    bool tuning = false);
 
  private:
-  lmloss_status plan(const MatmulShape& shape, const MatmulPlan** out);
+  lmloss_status plan(const MatmulShape& shape, MatmulPlan** out);
+  lmloss_status tune(MatmulPlan& p, const MatmulShape& shape, const void* a, const void* b, void* d,
+                     const float* beta, void* workspace, cudaStream_t stream);
   cublasLtHandle_t handle_ = nullptr;
+  float* zero_ = nullptr;  // a device 0: alpha of the timing runs
   std::map<MatmulShape, MatmulPlan> plans_;
 };
 

@@ -123,6 +123,7 @@ CASES = [
      "softcap"),
     ("workspace_budget", lambda a: lmloss.set_workspace_budget(0), ValueError, "bytes"),
     ("num_threads", lambda a: lmloss.set_num_threads(-2), ValueError, "num_threads"),
+    ("product_tuning", lambda a: lmloss.set_product_tuning(1), TypeError, "enabled"),
 ]
 
 

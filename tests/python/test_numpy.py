@@ -426,6 +426,11 @@ def test_settings():
         lmloss.set_num_threads(0)
     first = lmloss.cross_entropy(z, y).loss
     assert lmloss.cross_entropy(z, y).loss == first  # deterministic run to run
+    lmloss.set_product_tuning(True)  # CUDA only: the CPU result does not move
+    try:
+        assert lmloss.cross_entropy(z, y).loss == first
+    finally:
+        lmloss.set_product_tuning(False)
     lmloss.reset_peak_workspace()
     lmloss.linear_cross_entropy(*make_linear(rng, N, H, V)[:2], y, grad=True)
     assert lmloss.peak_workspace() > 0
