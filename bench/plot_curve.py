@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Plots lmloss's fused fwd+bwd time against its workspace budget, beside the peers' points.
+
+Reads a modes record with curve rows (bench_cuda_modes --budgets-gib ... --json) and a peers
+record (bench/peers.py --json); writes a PNG. The x axis is the peak device memory beyond the
+inputs and the gradients, so every method is charged only for what it adds; the y axis is the
+step's time over the floor (the bare products of the same step, timed in the same run).
+
+  python3 bench/plot_curve.py bench/cuda_h200_llama3-8b.json bench/peers_h200.json docs/budget_curve.png
+"""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+GRADS_GIB = {"llama3-8b": (8192 * 4096 + 128256 * 4096) * 2 / 2**30}  # bf16 dX and dW
+
+
+def main(modes_path, peers_path, out_path, preset="llama3-8b"):
+    modes = json.load(open(modes_path))
+    peers = json.load(open(peers_path))
+    curve = sorted((r for r in modes["rows"] if r["mode"] == "curve"), key=lambda r: r["budget_gib"])
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    ax.plot([r["peak_gib"] for r in curve], [r["ms"] / r["floor_ms"] for r in curve], "o-", color="C0",
+            label="lmloss (exact), workspace budget 0.125-4 GiB")
+    for r in curve:
+        ax.annotate(f"{r['budget_gib']:g}", (r["peak_gib"], r["ms"] / r["floor_ms"]), textcoords="offset points",
+                    xytext=(4, 4), fontsize=7, color="C0")
+    markers = {"naive": "s", "torch.compile": "D", "liger": "^", "cce": "v", "cce-exact": "x"}
+    for i, r in enumerate(p for p in peers["rows"] if p["preset"] == preset and p["mode"] == "fwd_bwd"):
+        extra = max(r["peak_gib"] - GRADS_GIB[preset], 0.01)
+        ax.plot([extra], [r["ms"] / r["floor_ms"]], markers.get(r["method"], "o"), color=f"C{i + 1}",
+                label=f"{r['method']} ({r['ms']:.1f} ms)")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("peak memory beyond inputs and gradients (GiB, log scale)")
+    ax.set_ylabel("time / floor (three bare products)")
+    ax.set_title(f"{preset}, N {modes['tokens']}, bf16, fused fwd+bwd (dX, dW): {modes['device']}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        sys.exit(__doc__)
+    main(*sys.argv[1:])
