@@ -101,6 +101,11 @@ if has_stage bench; then
     run "$BUILD/tools/bench_cuda_modes" --preset "$1" --tokens "$2" --modes "$modes" --repeats $REPEATS \
       --json "$OUT/modes_$1_$2.json" 2>&1 | tee "$OUT/modes_$1_$2.log"
   done
+  # The same steps with the opt-in product tuning (lmloss_context_set_product_tuning).
+  for preset in llama3-8b gemma2-2b; do
+    run "$BUILD/tools/bench_cuda_modes" --preset "$preset" --modes fwd_bwd,dx_only --repeats $REPEATS --tune 1 \
+      --json "$OUT/tuned_$preset.json" 2>&1 | sed 's/^\([a-z_0-9]* *budget\)/tuned \1/' | tee "$OUT/modes_tuned_$preset.log"
+  done
   run "$BUILD/tools/lmloss" bench --backend cuda --preset llama3-8b --dtype bf16 --repeats 5 \
     --json "$OUT/lmloss_bench.json" > "$OUT/lmloss_bench.log" 2>&1
   note "bench   lmloss bench --backend cuda llama3-8b rc=$?"
@@ -126,6 +131,12 @@ if has_stage peers; then
     PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens 32768 --modes fwd_bwd \
       --methods naive,torch.compile,cce --repeats 5 --json "$OUT/peers_32768.json" 2>&1 | tee "$OUT/peers_32768.log"
   fi
+fi
+
+# The budget curve beside the peers' points, when both ran and matplotlib is there.
+if [ -f "$OUT/curve.json" ] && [ -f "$OUT/peers.json" ] && python3 -c 'import matplotlib' 2> /dev/null; then
+  python3 bench/plot_curve.py "$OUT/curve.json" "$OUT/peers.json" "$OUT/budget_curve.png" &&
+    note "plot    $OUT/budget_curve.png"
 fi
 
 # Few files come back from some machines: one archive holds every log.
