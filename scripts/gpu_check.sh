@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh [--build DIR] [--stages tests,sanitizer,bench,curve,peers] [--quick]
 #
 # The build folder (default build-cuda) is used as it is when it holds the binaries (a build made
-# on another machine), else configured and built here. Python peers come from wheels in .whl/ when
+# on another machine: scripts/gpu_build.sh --pack), else configured and built here. Python peers come from wheels in .whl/ when
 # present (installed to a private folder), else from what python3 already has.
 set -uo pipefail
 cd "$(dirname "$0")/.."
