@@ -488,6 +488,15 @@ std::vector<Buffer*> LossCase::all_buffers() {
           &grad_hidden, &grad_weight, &grad_bias};
 }
 
+std::vector<double> LossCase::output_values() const {
+  std::vector<double> all;
+  for (const Buffer* b : outputs()) {
+    const std::vector<double> v = b->values();
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+
 std::vector<const Buffer*> LossCase::outputs() const {
   std::vector<const Buffer*> out;
   for (const Buffer* b : {&loss, &lse, &grad_logits, &grad_hidden, &grad_weight, &grad_bias}) {

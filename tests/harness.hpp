@@ -42,6 +42,19 @@ std::string unavailable_reason(Device device);
 
 inline const auto all_devices = ::testing::Values(Device::cpu, Device::cuda);
 
+// Tests over (device, input dtype); f64 inputs are CPU-only and skip on CUDA.
+class DeviceDtypeTest : public ::testing::TestWithParam<std::tuple<Device, lmloss_dtype>> {
+ protected:
+  void SetUp() override {
+    LMLOSS_REQUIRE_DEVICE(device());
+    if (device() == Device::cuda && dtype() == LMLOSS_F64) {
+      GTEST_SKIP() << "f64 inputs are a CPU-only dtype";
+    }
+  }
+  Device device() const { return std::get<0>(GetParam()); }
+  lmloss_dtype dtype() const { return std::get<1>(GetParam()); }
+};
+
 // ---- Dtypes and tolerances ---------------------------------------------------------------------
 
 // The library's own dtype table (sizes and names are facts, not something under test).
@@ -219,6 +232,8 @@ class LossCase {
 
   // Every output buffer (absent ones skipped), for validation checks.
   std::vector<const Buffer*> outputs() const;
+  // Every value of the outputs above, in order: what determinism tests compare bitwise.
+  std::vector<double> output_values() const;
 
   Buffer logits, hidden, weight, bias;
   Buffer labels, teacher_ids, teacher_probs, token_mask;

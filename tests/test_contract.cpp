@@ -31,15 +31,6 @@ lmloss_loss_options training_options() {
   return o;
 }
 
-std::vector<double> all_values(const LossCase& c) {
-  std::vector<double> r;
-  for (const Buffer* b : c.outputs()) {
-    const std::vector<double> v = b->values();
-    r.insert(r.end(), v.begin(), v.end());
-  }
-  return r;
-}
-
 // Rule 1: the logits exist a chunk at a time, within the caller's budget.
 TEST_P(Contract, NeverFullLogits) {
   Generator gen(501);
@@ -182,10 +173,10 @@ TEST_P(Contract, Deterministic) {
                o, setup(LMLOSS_BF16));
     ctx.set_workspace_budget(size_t(24) * 2053 * 8);  // several chunks
     ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-    const std::vector<double> first = all_values(c);
+    const std::vector<double> first = c.output_values();
     for (int repeat = 0; repeat < 3; ++repeat) {
       ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-      EXPECT_TRUE(bitwise_equal(all_values(c), first)) << "run " << repeat + 2;
+      EXPECT_TRUE(bitwise_equal(c.output_values(), first)) << "run " << repeat + 2;
     }
   }
 }
@@ -208,19 +199,19 @@ TEST_P(Contract, TunedProductsStayDeterministic) {
   const size_t budget = size_t(100) * 2053 * 8;  // several chunks: dW accumulates with beta 1
   ctx.set_workspace_budget(budget);
   ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-  const std::vector<double> untuned = all_values(c);
+  const std::vector<double> untuned = c.output_values();
   lmloss::Context tuned;
   tuned.set_workspace_budget(budget);
   tuned.set_product_tuning(true);
   ASSERT_EQ(c.forward_backward(tuned.get()), LMLOSS_SUCCESS) << lmloss_last_error();  // tunes
   expect_matches_reference(c, Mode::forward_backward);
-  const std::vector<double> first = all_values(c);
+  const std::vector<double> first = c.output_values();
   if (device() == Device::cpu) {
     EXPECT_TRUE(bitwise_equal(first, untuned));
   }
   for (int repeat = 0; repeat < 2; ++repeat) {
     ASSERT_EQ(c.forward_backward(tuned.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-    EXPECT_TRUE(bitwise_equal(all_values(c), first)) << "run " << repeat + 2;
+    EXPECT_TRUE(bitwise_equal(c.output_values(), first)) << "run " << repeat + 2;
   }
   EXPECT_EQ(lmloss_context_set_product_tuning(nullptr, 1), LMLOSS_ERROR_INVALID_ARGUMENT);
 }
@@ -243,11 +234,11 @@ TEST_P(Contract, ReusedWorkspaceLeaksNothing) {
   ASSERT_EQ(dirty.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
   LossCase clean(gen.problem(spec), o, setup(LMLOSS_BF16));
   ASSERT_EQ(clean.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-  const std::vector<double> after_dirty = all_values(clean);
+  const std::vector<double> after_dirty = clean.output_values();
   lmloss::Context fresh;
   fresh.set_workspace_budget(budget);
   ASSERT_EQ(clean.forward_backward(fresh.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-  EXPECT_TRUE(bitwise_equal(after_dirty, all_values(clean)));
+  EXPECT_TRUE(bitwise_equal(after_dirty, clean.output_values()));
   expect_matches_reference(clean, Mode::forward_backward);
 }
 

@@ -124,15 +124,6 @@ TEST_F(Cuda, F16GradientsOfManyTokensKeepTheirSmallEntries) {
   expect_matches_reference(c, Mode::forward_backward);
 }
 
-std::vector<double> all_outputs(const LossCase& c) {
-  std::vector<double> r;
-  for (const Buffer* b : c.outputs()) {
-    const std::vector<double> v = b->values();
-    r.insert(r.end(), v.begin(), v.end());
-  }
-  return r;
-}
-
 // A budget where a dense 16-bit gradient chunk filled by 128-row logits chunks takes two chunks
 // where the gradient over its own logits would take three: the 16-bit dtypes go that way (f32
 // keeps the gradient in place), the last chunk ragged, every option on; against the reference,
@@ -153,9 +144,9 @@ TEST_F(Cuda, SeparateGradientChunkMatchesReference) {
     }
     EXPECT_LE(ctx.peak_workspace(), ctx.workspace_budget());
     ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-    const std::vector<double> first = all_outputs(c);
+    const std::vector<double> first = c.output_values();
     ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-    EXPECT_TRUE(bitwise_equal(first, all_outputs(c)));
+    EXPECT_TRUE(bitwise_equal(first, c.output_values()));
   }
 }
 
@@ -170,9 +161,9 @@ TEST_F(Cuda, RunsAreBitwiseIdentical) {
     lmloss::Context ctx;
     ctx.set_workspace_budget(budget_for_rows(100, spec.vocab));
     ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-    const std::vector<double> first = all_outputs(c);
+    const std::vector<double> first = c.output_values();
     ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-    EXPECT_TRUE(bitwise_equal(first, all_outputs(c)));
+    EXPECT_TRUE(bitwise_equal(first, c.output_values()));
 
     lmloss_topk_options t = lmloss_topk_options_default();
     t.k = 100;

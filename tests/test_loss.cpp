@@ -61,19 +61,8 @@ std::vector<lmloss_dtype> grad_dtypes(lmloss_dtype input, bool linear) {
   return {LMLOSS_F32, input};
 }
 
-using Param = std::tuple<Device, lmloss_dtype>;
-
-class Loss : public ::testing::TestWithParam<Param> {
+class Loss : public DeviceDtypeTest {
  protected:
-  void SetUp() override {
-    LMLOSS_REQUIRE_DEVICE(device());
-    if (device() == Device::cuda && dtype() == LMLOSS_F64) {
-      GTEST_SKIP() << "f64 inputs are a CPU-only dtype";
-    }
-  }
-  Device device() const { return std::get<0>(GetParam()); }
-  lmloss_dtype dtype() const { return std::get<1>(GetParam()); }
-
   // Forward (saving lse), backward from that lse, then the fused call, each checked.
   void check_every_mode(const reference::Problem& problem, const lmloss_loss_options& options,
                         const LossSetup& setup) {

@@ -8,18 +8,8 @@
 namespace lmloss::test {
 namespace {
 
-using Param = std::tuple<Device, lmloss_dtype>;
-
-class Topk : public ::testing::TestWithParam<Param> {
+class Topk : public DeviceDtypeTest {
  protected:
-  void SetUp() override {
-    LMLOSS_REQUIRE_DEVICE(device());
-    if (device() == Device::cuda && dtype() == LMLOSS_F64) {
-      GTEST_SKIP() << "f64 inputs are a CPU-only dtype";
-    }
-  }
-  Device device() const { return std::get<0>(GetParam()); }
-  lmloss_dtype dtype() const { return std::get<1>(GetParam()); }
   TopkSetup setup() const {
     TopkSetup s;
     s.device = device();
