@@ -4,7 +4,8 @@
 Reads a modes record with curve rows (bench_cuda_modes --budgets-gib ... --json) and a peers
 record (bench/peers.py --json); writes a PNG. The x axis is the peak device memory beyond the
 inputs and the gradients, so every method is charged only for what it adds; the y axis is the
-step's time over the floor (the bare products of the same step, timed in the same run).
+step's time over the floor (the bare products of the same step, timed in the same run). Needs
+matplotlib (pip install matplotlib).
 
   python3 bench/plot_curve.py bench/cuda_h200_llama3-8b.json bench/peers_h200.json docs/budget_curve.png
 """
