@@ -3,10 +3,12 @@
 
 For each preset and mode: naive PyTorch (F.cross_entropy(h @ W.T)), torch.compile of it, Liger
 Kernel's LigerFusedLinearCrossEntropyLoss and Cut Cross-Entropy's linear_cross_entropy (default
-gradient filtering, and exact with filter_eps=None) when they import. Each row: median time of
-CUDA events around the step (L2 flushed before every run), the peak extra device memory over the
-inputs (gradients included), and the floor: the bare torch.matmul products of the same step
-(forward; + dX; + dW) timed in the same run. Prints a table and writes JSON.
+gradient filtering, and exact with filter_eps=None), and lmloss.torch itself, when they import.
+Each row: median time of CUDA events around the step (L2 flushed before every run), the peak
+extra device memory over the inputs (gradients included), and the floor: the bare torch.matmul
+products of the same step (forward; + dX; + dW) timed in the same run. With --accuracy the
+cross-entropy steps are also compared with a float64 reference of the same bf16 inputs (loss, dX,
+dW; relative error of the norm). Prints a table and writes JSON.
 
   python3 bench/peers.py --presets llama3-8b,gemma2-2b --json peers.json
 """
@@ -154,6 +156,43 @@ def methods(mode, y, ids, p):
     return out
 
 
+def lmloss_methods(mode, y, ids, p):
+    """lmloss.torch's losses, when the package imports (it runs on torch's stream and allocator)."""
+    try:
+        import lmloss.torch as lt
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"# lmloss not available: {e}", file=sys.stderr)
+        return {}
+    if mode == "distill64":
+        return {"lmloss": lambda x, w: lt.linear_distill(x, w, ids, p)}
+    if mode.startswith("topk"):
+        return {}
+    return {"lmloss": lambda x, w: lt.linear_cross_entropy(x, w, y)}
+
+
+def float64_reference(x, w, y, rows=1024):
+    """Mean cross-entropy of x @ w.T against y, and its gradients for x and w, in float64, a chunk
+    of rows at a time (the full float64 logits would not fit beside everything else)."""
+    n = x.shape[0]
+    wd = w.double()
+    loss = torch.zeros((), dtype=torch.float64, device=x.device)
+    dx = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    dw = torch.zeros(w.shape, dtype=torch.float64, device=x.device)
+    for r0 in range(0, n, rows):
+        xc = x[r0:r0 + rows].double()
+        z = xc @ wd.T
+        lse = torch.logsumexp(z, dim=1)
+        yc = y[r0:r0 + rows]
+        loss += (lse - z.gather(1, yc[:, None])[:, 0]).sum()
+        g = torch.exp(z - lse[:, None])
+        g[torch.arange(g.shape[0], device=g.device), yc] -= 1.0
+        g /= n
+        dx[r0:r0 + rows] = g @ wd
+        dw += g.T @ xc
+        del z, g
+    return loss / n, dx, dw
+
+
 def relative_error(out, ref):
     return (out.float() - ref.float()).norm().item() / max(ref.float().norm().item(), 1e-30)
 
@@ -166,6 +205,8 @@ def main():
     ap.add_argument("--methods", default="", help="comma list to keep (default: all that import)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", default="")
+    ap.add_argument("--accuracy", action="store_true",
+                    help="fwd_bwd: errors of loss, dX and dW against a float64 reference")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     dev = torch.cuda.get_device_name()
@@ -183,7 +224,8 @@ def main():
             if count not in floors:
                 floors[count] = timed(floor_fn(x, w, count), args.repeats)[0]
             ref_dx = None
-            for name, fn in methods(mode, y, ids, p).items():
+            ref64 = float64_reference(x, w, y) if args.accuracy and mode == "fwd_bwd" else None
+            for name, fn in {**methods(mode, y, ids, p), **lmloss_methods(mode, y, ids, p)}.items():
                 if keep and name not in keep:
                     continue
                 t0 = time.time()
@@ -191,23 +233,33 @@ def main():
                     run = step(fn, x, w, want_dx, want_dw)
                     ms, peak = timed(run, args.repeats)
                     err = None
+                    err64 = None
                     if want_dx:
-                        _, dx, _ = run()
+                        loss, dx, dw = run()
                         if name == "naive":
                             ref_dx = dx.detach().clone()
                         elif ref_dx is not None:
                             err = relative_error(dx, ref_dx)
+                        if ref64 is not None:
+                            err64 = [relative_error(loss.detach().double(), ref64[0]),
+                                     relative_error(dx, ref64[1]), relative_error(dw, ref64[2])]
+                        del loss, dx, dw
                 except Exception as e:  # noqa: BLE001 - a peer failing is a row, not a crash
                     print(f"# {preset} {mode} {name}: failed: {e}", file=sys.stderr)
                     continue
                 row = dict(preset=preset, tokens=n, hidden=h, vocab=v, mode=mode, method=name, ms=ms,
                            floor_ms=floors[count], ratio=ms / floors[count], peak_gib=peak / 2**30,
                            dx_rel_err_vs_naive=err, wall_s=time.time() - t0)
+                if err64 is not None:
+                    row.update(loss_rel_err_f64=err64[0], dx_rel_err_f64=err64[1], dw_rel_err_f64=err64[2])
                 rows.append(row)
                 print(f"{preset:10s} N {n:6d} {mode:9s} {name:14s} {ms:9.3f} ms  floor {floors[count]:8.3f}"
                       f"  x{ms / floors[count]:.3f}  peak {peak / 2**30:6.2f} GiB"
-                      + (f"  dX err vs naive {err:.2e}" if err is not None else ""), flush=True)
+                      + (f"  dX err vs naive {err:.2e}" if err is not None else "")
+                      + ("  vs f64: loss {:.1e} dX {:.1e} dW {:.1e}".format(*err64) if err64 else ""),
+                      flush=True)
                 torch.cuda.empty_cache()
+            del ref64
         del x, w, y, ids, p
         torch.cuda.empty_cache()
     if args.json:

@@ -125,7 +125,7 @@ if has_stage peers; then
       .whl/*.whl > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}
   fi
   presets=llama3-8b,gemma2-2b
-  PYTHONUNBUFFERED=1 python3 bench/peers.py --presets $presets --modes fwd_bwd,forward,distill64,topk64,topk2048,dx_only \
+  PYTHONUNBUFFERED=1 python3 bench/peers.py --presets $presets --modes fwd_bwd,forward,distill64,topk64,topk2048,dx_only --accuracy \
     --repeats $REPEATS --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
   if [ $QUICK = 0 ]; then
     PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens 32768 --modes fwd_bwd \
