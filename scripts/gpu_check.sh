@@ -120,9 +120,11 @@ fi
 
 if has_stage peers; then
   echo "== peers"
-  if ls .whl/*.whl > /dev/null 2>&1; then
+  # The peers' wheels, and lmloss's own (scripts/gpu_build.sh --wheel) so that it is timed too.
+  wheels=$(ls .whl/*.whl dist/lmloss-*.whl 2> /dev/null)
+  if [ -n "$wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peers-site \
-      .whl/*.whl > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}
+      $wheels > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}
   fi
   presets=llama3-8b,gemma2-2b
   PYTHONUNBUFFERED=1 python3 bench/peers.py --presets $presets --modes fwd_bwd,forward,distill64,topk64,topk2048,dx_only --accuracy \
