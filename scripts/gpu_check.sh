@@ -7,8 +7,9 @@
 #   scripts/gpu_check.sh [--build DIR] [--stages tests,sanitizer,bench,curve,peers] [--quick]
 #
 # The build folder (default build-cuda) is used as it is when it holds the binaries (a build made
-# on another machine: scripts/gpu_build.sh --pack), else configured and built here. Python peers come from wheels in .whl/ when
-# present (installed to a private folder), else from what python3 already has.
+# on another machine: scripts/gpu_build.sh --pack), else configured and built here. Python peers
+# come from wheels in .whl/ (and lmloss from dist/) when present, installed to a private folder,
+# else from what python3 already has.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -103,8 +104,9 @@ if has_stage bench; then
   done
   # The same steps with the opt-in product tuning (lmloss_context_set_product_tuning).
   for preset in llama3-8b gemma2-2b; do
-    run "$BUILD/tools/bench_cuda_modes" --preset "$preset" --modes fwd_bwd,dx_only --repeats $REPEATS --tune 1 \
-      --json "$OUT/tuned_$preset.json" 2>&1 | sed 's/^\([a-z_0-9]* *budget\)/tuned \1/' | tee "$OUT/modes_tuned_$preset.log"
+    run "$BUILD/tools/bench_cuda_modes" --preset "$preset" --modes fwd_bwd,dx_only --repeats $REPEATS \
+      --tune 1 --json "$OUT/tuned_$preset.json" 2>&1 | sed 's/^\([a-z_0-9]* *budget\)/tuned \1/' |
+      tee "$OUT/modes_tuned_$preset.log"
   done
   run "$BUILD/tools/lmloss" bench --backend cuda --preset llama3-8b --dtype bf16 --repeats 5 \
     --json "$OUT/lmloss_bench.json" > "$OUT/lmloss_bench.log" 2>&1
@@ -127,7 +129,8 @@ if has_stage peers; then
       $wheels > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}
   fi
   presets=llama3-8b,gemma2-2b
-  PYTHONUNBUFFERED=1 python3 bench/peers.py --presets $presets --modes fwd_bwd,forward,distill64,topk64,topk2048,dx_only --accuracy \
+  PYTHONUNBUFFERED=1 python3 bench/peers.py --presets $presets --accuracy \
+    --modes fwd_bwd,forward,distill64,topk64,topk2048,dx_only \
     --repeats $REPEATS --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
   if [ $QUICK = 0 ]; then
     PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens 32768 --modes fwd_bwd \

@@ -138,7 +138,8 @@ class Products {
     }
     const Plan& p = it->second;
     const float alpha = 1.f;
-    const cublasLtMatmulAlgo_t& algo = candidate_ < 0 ? p.algo : p.candidates[std::min<size_t>(candidate_, p.candidates.size() - 1)];
+    const cublasLtMatmulAlgo_t& algo =
+        candidate_ < 0 ? p.algo : p.candidates[std::min<size_t>(candidate_, p.candidates.size() - 1)];
     lt_check(cublasLtMatmul(handle_, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &algo, workspace_,
                             kWorkspace, stream),
              "cublasLtMatmul");
@@ -482,16 +483,21 @@ class ModesBench {
 
   // The floor: the bare products of `count` kinds (1: forward; 2: + dX; 3: + dW).
   void run_floor(int count) {
+    void* z = full_logits();
+    products_.run(n_, v_, h_, false, true, x_.ptr, w_.ptr, z, dt_, dt_, stream_);
+    if (count >= 2) products_.run(n_, h_, v_, false, false, z, w_.ptr, dx_.ptr, dt_, dt_, stream_);
+    if (count >= 3) products_.run(v_, h_, n_, true, false, z, x_.ptr, dw_.ptr, dt_, LMLOSS_F32, stream_);
+  }
+  // (tokens, vocab) in the input dtype: the floor's logits, standing in for their gradient too.
+  void* full_logits() {
     if (!z_.ptr) z_ = DeviceBuffer(n_ * v_ * type_size(dt_));
-    products_.run(n_, v_, h_, false, true, x_.ptr, w_.ptr, z_.ptr, dt_, dt_, stream_);
-    if (count >= 2) products_.run(n_, h_, v_, false, false, z_.ptr, w_.ptr, dx_.ptr, dt_, dt_, stream_);
-    if (count >= 3) products_.run(v_, h_, n_, true, false, z_.ptr, x_.ptr, dw_.ptr, dt_, LMLOSS_F32, stream_);
+    return z_.ptr;
   }
 
   // Each product of the step at chunk height `rows` (and at the full height, as the floor runs
   // it) with every algorithm the cuBLASLt heuristic offers: is its first choice the fastest?
   void survey_algorithms(int64_t rows) {
-    if (!z_.ptr) z_ = DeviceBuffer(n_ * v_ * type_size(dt_));
+    void* z = full_logits();
     DeviceBuffer z32(size_t(rows) * v_ * 4);
     struct Shape {
       const char* name;
@@ -503,15 +509,17 @@ class ModesBench {
       float beta;
     };
     const Shape shapes[] = {
-        {"forward bf16 (floor)", n_, v_, h_, false, true, x_.ptr, w_.ptr, z_.ptr, dt_, 0.f},
+        {"forward bf16 (floor)", n_, v_, h_, false, true, x_.ptr, w_.ptr, z, dt_, 0.f},
         {"forward f32 chunk", rows, v_, h_, false, true, x_.ptr, w_.ptr, z32.ptr, LMLOSS_F32, 0.f},
-        {"dX (floor)", n_, h_, v_, false, false, z_.ptr, w_.ptr, dx_.ptr, dt_, 0.f},
-        {"dX chunk", rows, h_, v_, false, false, z_.ptr, w_.ptr, dx_.ptr, dt_, 0.f},
-        {"dW (floor)", v_, h_, n_, true, false, z_.ptr, x_.ptr, dw_.ptr, LMLOSS_F32, 0.f},
-        {"dW chunk, beta 1", v_, h_, rows, true, false, z_.ptr, x_.ptr, dw_.ptr, LMLOSS_F32, 1.f},
+        {"dX (floor)", n_, h_, v_, false, false, z, w_.ptr, dx_.ptr, dt_, 0.f},
+        {"dX chunk", rows, h_, v_, false, false, z, w_.ptr, dx_.ptr, dt_, 0.f},
+        {"dW (floor)", v_, h_, n_, true, false, z, x_.ptr, dw_.ptr, LMLOSS_F32, 0.f},
+        {"dW chunk, beta 1", v_, h_, rows, true, false, z, x_.ptr, dw_.ptr, LMLOSS_F32, 1.f},
     };
     for (const Shape& sh : shapes) {
-      auto run = [&] { products_.run(sh.m, sh.n, sh.k, sh.a_t, sh.b_t, sh.a, sh.b, sh.c, dt_, sh.c_type, stream_, sh.beta); };
+      auto run = [&] {
+        products_.run(sh.m, sh.n, sh.k, sh.a_t, sh.b_t, sh.a, sh.b, sh.c, dt_, sh.c_type, stream_, sh.beta);
+      };
       run();
       const size_t count = products_.candidates(sh.m, sh.n, sh.k, sh.a_t, sh.b_t, dt_, sh.c_type);
       std::printf("algos %-22s rows %5lld:", sh.name, (long long)rows);
@@ -529,14 +537,13 @@ class ModesBench {
   // forward product to f32 logits, dX, and dW accumulated in f32 (beta 1 after the first chunk).
   // Says what the chunk height alone costs, apart from the row kernels.
   void chunked_products(int64_t rows) {
-    if (!z_.ptr) z_ = DeviceBuffer(n_ * v_ * type_size(dt_));
     DeviceBuffer z32(size_t(rows) * v_ * 4);
     const size_t es = type_size(dt_);
     auto each_chunk = [&](auto&& f) {
       for (int64_t r0 = 0; r0 < n_; r0 += rows) f(r0, std::min(rows, n_ - r0));
     };
     const char* x = static_cast<const char*>(x_.ptr);
-    const char* g = static_cast<const char*>(z_.ptr);
+    const char* g = static_cast<const char*>(full_logits());
     const double fwd = time([&] {
       each_chunk([&](int64_t r0, int64_t m) {
         products_.run(m, v_, h_, false, true, x + r0 * h_ * es, w_.ptr, z32.ptr, dt_, LMLOSS_F32, stream_);
@@ -686,7 +693,10 @@ int run(int argc, char** argv) {
 
   // Every row's floor is timed in the same loop as the row itself, run for run (with --floor 0,
   // not at all: the ratios then read as plain milliseconds).
-  const int floor_scale = with_floor ? 1 : 0;
+  auto floor_count = [&](const std::string& mode) {
+    if (!with_floor) return 0;
+    return mode == "forward" || mode.rfind("topk", 0) == 0 ? 1 : mode == "dx_only" ? 2 : 3;
+  };
   std::vector<Row> rows;
   for (const std::string& c : split(chunks)) bench.chunked_products(std::stoll(c));
   for (const std::string& r : split(survey)) bench.survey_algorithms(std::stoll(r));
@@ -699,12 +709,12 @@ int run(int argc, char** argv) {
   };
   for (const std::string& mode : split(modes)) {
     if (mode.rfind("topk", 0) == 0 && mode != "topk")
-      report(bench.topk_mode(std::stoll(mode.substr(4)), 0, floor_scale));
+      report(bench.topk_mode(std::stoll(mode.substr(4)), 0, floor_count(mode)));
     else
-      report(bench.loss_mode(mode, 0, floor_scale * (mode == "forward" ? 1 : mode == "dx_only" ? 2 : 3)));
+      report(bench.loss_mode(mode, 0, floor_count(mode)));
   }
   for (const std::string& b : split(budgets)) {
-    Row r = bench.loss_mode("fwd_bwd", size_t(std::stod(b) * double(1 << 30)), 3 * floor_scale);
+    Row r = bench.loss_mode("fwd_bwd", size_t(std::stod(b) * double(1 << 30)), floor_count("fwd_bwd"));
     r.mode = "curve";
     report(r);
   }

@@ -5,8 +5,8 @@
 //   Z   (rows, vocab) f32  = X_chunk W^T                      cuBLASLt
 //   row kernel: loss, lse, and dZ written over Z (narrowed in place to 16-bit inputs' dtype),
 //               or, where dW is wanted and that gives fewer chunks, into a dense G (rows, vocab)
-//               of the input dtype that several smaller Z chunks fill in turn (plan_separate_grad); f16
-//               gradients are stored times S (see CallScalars)
+//               of the input dtype that several smaller Z chunks fill in turn
+//               (plan_separate_grad); f16 gradients are stored times S (see CallScalars)
 //   dX_chunk (rows, hidden) = G W / S                          cuBLASLt
 //   dW (vocab, hidden)     += G^T X_chunk / S                  cuBLASLt, beta 1 after the first chunk
 //   db (vocab)             += column sums of G / S, rows in order
@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "core/backend.hpp"
@@ -229,9 +230,11 @@ int64_t chunk_count(int64_t n, int64_t rows) { return rows > 0 ? (n + rows - 1) 
 // The other layout for 16-bit gradients: a dense gradient chunk of 2 bytes per logit, filled by
 // several smaller f32 logits chunks in turn. The backward products then run over more rows at once
 // for the same budget, and each chunk beyond the first re-reads and re-writes the f32 dW (V H 4
-// bytes each way): fewer chunks is what pays. Chunks are evened out (no short last chunk: a dW
-// product of few rows runs far below its rate), then the logits chunk takes what budget is left.
-LossPlan plan_separate_grad(const lmloss_context& context, const core::LossCall& call, const LossPlan& in_place) {
+// bytes each way): fewer chunks is what pays, so the layout is returned only when it needs fewer
+// chunks than `in_place`. Chunks are evened out (no short last chunk: a dW product of few rows runs
+// far below its rate), then the logits chunk takes what budget is left.
+std::optional<LossPlan> plan_separate_grad(const lmloss_context& context, const core::LossCall& call,
+                                           const LossPlan& in_place) {
   LossPlan p = in_place;
   p.separate_grad = true;
   p.grad_ld = p.logits_ld;
@@ -244,33 +247,29 @@ LossPlan plan_separate_grad(const lmloss_context& context, const core::LossCall&
   // below ~256 rows it is memory-bound on an H200); smaller budgets try 256 and 128 rows, where
   // the dW traffic saved still outweighs the slower forward (measured 2026-12-02: 8-row chunks
   // made the step 5x slower).
-  int64_t best_chunks = chunk_count(n, in_place.chunk_rows);
-  LossPlan best = in_place;
+  const int64_t in_place_chunks = chunk_count(n, in_place.chunk_rows);
   for (int64_t logits_rows = 512; logits_rows >= 128; logits_rows /= 2) {
     pc[kLogitsChunk] = {logits_rows * logits_row, 0, 256};
     const int64_t rows = fit_rows(p.layout, budget, n, n);
     if (rows < logits_rows) continue;
     const int64_t chunks = chunk_count(n, rows);
-    if (chunks >= best_chunks) continue;
-    LossPlan q = p;
-    q.chunk_rows = rows;
+    if (chunks >= in_place_chunks) continue;
+    p.chunk_rows = rows;
     const int64_t even = (n + chunks - 1) / chunks;
-    if (even >= 256) q.chunk_rows = std::min(rows, (even + 127) / 128 * 128);
-    q.logits_rows = logits_rows;
-    for (int64_t grown = q.chunk_rows / 128 * 128; grown > logits_rows; grown -= 128) {
-      q.layout.pieces[kLogitsChunk].fixed = grown * logits_row;
-      if (q.layout.total(q.chunk_rows) <= budget) {
-        q.logits_rows = grown;
+    if (even >= 256) p.chunk_rows = std::min(rows, (even + 127) / 128 * 128);
+    p.logits_rows = logits_rows;
+    for (int64_t grown = p.chunk_rows / 128 * 128; grown > logits_rows; grown -= 128) {
+      pc[kLogitsChunk].fixed = grown * logits_row;
+      if (p.layout.total(p.chunk_rows) <= budget) {
+        p.logits_rows = grown;
         break;
       }
     }
-    q.logits_rows = std::min(q.logits_rows, q.chunk_rows);
-    q.layout.pieces[kLogitsChunk].fixed = q.logits_rows * logits_row;
-    best = q;
-    best_chunks = chunks;
-    break;
+    p.logits_rows = std::min(p.logits_rows, p.chunk_rows);
+    pc[kLogitsChunk].fixed = p.logits_rows * logits_row;
+    return p;
   }
-  return best;
+  return std::nullopt;
 }
 
 LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
@@ -294,10 +293,8 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     if (grads && call.grads.grad_bias.data) pc[kBiasGrad].fixed = sizeof(float) * call.vocab;
   }
   p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, call.n_tokens);
-  if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32) {
-    const LossPlan split = plan_separate_grad(context, call, p);
-    if (chunk_count(call.n_tokens, split.chunk_rows) < chunk_count(call.n_tokens, p.chunk_rows)) return split;
-  }
+  if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32)
+    if (std::optional<LossPlan> split = plan_separate_grad(context, call, p)) return *split;
   return p;
 }
 
@@ -461,21 +458,22 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     const void* x_chunk = x + row0 * x_ld * in_size;
     char* grad = static_cast<char*>(plan.separate_grad ? grad_chunk : logits_chunk);
     const size_t grad_size = core::dtype_size(plan.grad_dtype);
+    a.logits = logits_chunk;
+    a.logits_ld = plan.logits_ld;
+    a.logits_dtype = LMLOSS_F32;
+    if (a.work != RowWork::stats) {
+      a.grad_ld = plan.grad_ld;
+      a.grad_dtype = plan.grad_dtype;
+    }
     for (int64_t sub0 = 0; sub0 < rows; sub0 += plan.logits_rows) {
       const int64_t sub_rows = std::min(plan.logits_rows, rows - sub0);
       const MatmulShape fwd = logits_product(call, sub_rows, plan.logits_ld, matmul_ws_bytes);
       LMLOSS_CHECK(r.state.matmul.run(fwd, call.head.weight.data, x + (row0 + sub0) * x_ld * in_size,
-                                      logits_chunk, &scalars->one, &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
+                                      logits_chunk, &scalars->one, &scalars->zero, matmul_ws, r.stream,
+                                      r.context.tune_products));
       a.row0 = row0 + sub0;
       a.rows = sub_rows;
-      a.logits = logits_chunk;
-      a.logits_ld = plan.logits_ld;
-      a.logits_dtype = LMLOSS_F32;
-      if (a.work != RowWork::stats) {
-        a.grad = grad + sub0 * plan.grad_ld * grad_size;
-        a.grad_ld = plan.grad_ld;
-        a.grad_dtype = plan.grad_dtype;
-      }
+      if (a.work != RowWork::stats) a.grad = grad + sub0 * plan.grad_ld * grad_size;
       LMLOSS_CHECK(launch_loss_rows(a, r.stream));
     }
     if (a.work == RowWork::stats) continue;
@@ -512,7 +510,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       s.workspace_bytes = matmul_ws_bytes;
       const bool add = row0 > 0 || accumulate_w;
       LMLOSS_CHECK(r.state.matmul.run(s, x_chunk, grad, g.grad_weight.data, &scalars->inv_grad_scale,
-                                      add ? &scalars->one : &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
+                                      add ? &scalars->one : &scalars->zero, matmul_ws, r.stream,
+                                      r.context.tune_products));
     }
     if (bias_grad)
       LMLOSS_CHECK(launch_column_sum(grad, plan.grad_ld, gtype, rows, call.vocab, row0 > 0, scalars,

@@ -7,8 +7,8 @@
 // cuBLASLt is column-major, so each row-major product is issued as its transpose. A descriptor,
 // its layouts and the algorithm the heuristic puts first are made once per problem shape and
 // cached in the context's CUDA state; with tuning on, the heuristic's candidates are timed on the
-// shape's first run instead and the fastest kept (that run synchronises the stream). alpha and beta are device pointers: the f16 gradient scale is known
-// only on the device.
+// shape's first run instead and the fastest kept (that run synchronises the stream). alpha and
+// beta are device pointers: the f16 gradient scale is known only on the device.
 #pragma once
 
 #include <cublasLt.h>
