@@ -259,6 +259,18 @@ def main():
                       + ("  vs f64: loss {:.1e} dX {:.1e} dW {:.1e}".format(*err64) if err64 else ""),
                       flush=True)
                 torch.cuda.empty_cache()
+            if ref64 is not None and "lmloss" in lmloss_methods(mode, y, ids, p):
+                # The weight gradient as the library accumulates it for a 16-bit head, in float32,
+                # before the autograd layer rounds it to the parameter's bfloat16.
+                dw32 = torch.ops.lmloss.loss_forward_backward(
+                    None, x, w, None, y, None, None, None, "mean", -100, 0.0, 1.0, 0.0, 0.0, 0.0,
+                    0.0, 1.0, False, False, True, False)[4]
+                err = relative_error(dw32, ref64[2])
+                rows.append(dict(preset=preset, tokens=n, mode=mode, method="lmloss",
+                                 dw_f32_rel_err_f64=err))
+                print(f"{preset:10s} N {n:6d} {mode:9s} lmloss: float32-accumulated dW vs f64 "
+                      f"{err:.1e}", flush=True)
+                del dw32
             del ref64
         del x, w, y, ids, p
         torch.cuda.empty_cache()
