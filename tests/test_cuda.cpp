@@ -150,6 +150,55 @@ TEST_F(Cuda, SeparateGradientChunkMatchesReference) {
   }
 }
 
+// Whether forwards of 16-bit linear heads here take their statistics from the product
+// (a build with it, on an sm_90 device).
+bool statistics_product_expected() {
+#ifdef LMLOSS_TEST_ROW_STATS_PRODUCT
+  int device = 0, major = 0, minor = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+
+// A forward of a 16-bit linear head with statistics from the product's epilogue: against the
+// reference at odd shapes (one token; a vocabulary of exactly one column tile, and of one more;
+// 50021), every option, strided rows, i64 labels; bitwise the same on a second run. Its workspace
+// shows the path was taken: no logits chunk and no cuBLASLt workspace (that path holds 32 MiB
+// for the products alone), a few floats per row and column tile instead.
+TEST_F(Cuda, ForwardStatisticsFromTheProductMatchReference) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4012);
+  struct Shape {
+    int64_t n_tokens, vocab, hidden, row_padding;
+  };
+  for (const Shape shape : {Shape{1, 50021, 64, 0}, Shape{700, 1999, 136, 8}, Shape{300, 256, 64, 0},
+                            Shape{300, 257, 72, 0}}) {
+    for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
+      for (const char* name : {"plain", "smoothing_zloss_softcap_temperature", "none"}) {
+        SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + name + " N " + std::to_string(shape.n_tokens) +
+                     " V " + std::to_string(shape.vocab) + " H " + std::to_string(shape.hidden));
+        ProblemSpec spec{.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden, .bias = true};
+        LossSetup s = setup(dtype, LMLOSS_F32);
+        s.row_padding = shape.row_padding;
+        s.label_dtype = LMLOSS_I64;
+        LossCase c(gen.problem(spec), options_named(name), s);
+        lmloss::Context ctx;
+        ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        expect_matches_reference(c, Mode::forward);
+        EXPECT_LT(ctx.peak_workspace(), size_t(1) << 20);
+        const std::vector<double> first = c.output_values();
+        ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        EXPECT_TRUE(bitwise_equal(first, c.output_values()));
+      }
+    }
+  }
+}
+
 TEST_F(Cuda, RunsAreBitwiseIdentical) {
   Generator gen(4003);
   for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {

@@ -10,6 +10,8 @@
 //   dX_chunk (rows, hidden) = G W / S                          cuBLASLt
 //   dW (vocab, hidden)     += G^T X_chunk / S                  cuBLASLt, beta 1 after the first chunk
 //   db (vocab)             += column sums of G / S, rows in order
+// A forward-only call of a 16-bit linear head without a teacher, on an sm_90 device, takes each
+// chunk's statistics in the product's epilogue instead (row_stats_product.cuh): no logits chunk.
 // Nothing here waits for the device: the loss, lse and gradients stay where the caller pointed.
 #include <cuda_runtime.h>
 
@@ -26,6 +28,7 @@
 #include "cuda/cublaslt_library.hpp"
 #include "cuda/loss_rows.cuh"
 #include "cuda/matmul.cuh"
+#include "cuda/row_stats_product.cuh"
 #include "cuda/topk.cuh"
 
 namespace lmloss::cuda {
@@ -194,6 +197,30 @@ bool wants_any_grad(const core::LossCall& call) {
          (g.grad_logits.data || g.grad_hidden.data || g.grad_weight.data || g.grad_bias.data);
 }
 
+// Whether the call forms gradients (a forward, or a fused call that wants none, only the loss).
+bool grads_computed(const core::LossCall& call) {
+  return call.mode != core::Mode::forward && wants_any_grad(call);
+}
+
+// The statistics product of the chunk of `rows` tokens from row0 (pointers to outputs unset).
+RowStatsProductArgs row_stats_args(const core::LossCall& call, int64_t rows, int64_t row0 = 0) {
+  RowStatsProductArgs a;
+  a.dtype = call.input_dtype;
+  a.hidden_ld = row_stride(call.head.hidden);
+  a.hidden = static_cast<const char*>(call.head.hidden.data) + row0 * a.hidden_ld * int64_t(core::dtype_size(a.dtype));
+  a.weight = call.head.weight.data;
+  a.weight_ld = row_stride(call.head.weight);
+  a.rows = rows;
+  a.vocab = call.vocab;
+  a.hidden_size = call.hidden;
+  a.scale = core::LogitScale<float>::make(call.options.softcap, call.options.temperature);
+  a.labels = call.targets.labels.data;
+  a.labels_dtype = call.targets.labels.dtype;
+  a.row0 = row0;
+  a.partial_ld = row_stats_tiles(call.vocab);
+  return a;
+}
+
 // The f32 logits of a chunk of `rows` tokens, Z = X_chunk W^T: column-major (vocab, rows) =
 // op(W) (vocab, hidden) * X^T (hidden, rows). Shared by the losses and top-k through the head.
 template <typename Call>
@@ -212,7 +239,10 @@ MatmulShape logits_product(const Call& call, int64_t rows, int64_t logits_ld, si
   return s;
 }
 
-enum LossPiece { kLogitsChunk, kGradChunk, kMatmulWs, kSparse, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces };
+enum LossPiece {
+  kLogitsChunk, kGradChunk, kPartials, kMatmulWs, kProductWs, kSparse, kLabelS, kScalars, kTokenLoss,
+  kBiasF32, kBiasGrad, kLossPieces
+};
 
 struct LossPlan {
   Layout<kLossPieces> layout;
@@ -223,6 +253,8 @@ struct LossPlan {
   int64_t grad_ld = 0;            // linear: row stride of the gradient chunk, in its elements
   lmloss_dtype grad_dtype = LMLOSS_F32;
   size_t matmul_ws = 0;
+  bool row_stats_product = false; // linear forward: statistics from the product (no logits chunk)
+  size_t product_ws = 0;
 };
 
 int64_t chunk_count(int64_t n, int64_t rows) { return rows > 0 ? (n + rows - 1) / rows : 0; }
@@ -291,6 +323,20 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     pc[kMatmulWs] = {p.matmul_ws, 0, 256};
     if (call.head.bias.data) pc[kBiasF32].fixed = sizeof(float) * call.vocab;
     if (grads && call.grads.grad_bias.data) pc[kBiasGrad].fixed = sizeof(float) * call.vocab;
+  }
+  if (call.linear && !grads_computed(call) && !call.has_teacher() &&
+      row_stats_product_supported(call.device_index, call.input_dtype, call.head.hidden.data,
+                                  row_stride(call.head.hidden), call.head.weight.data,
+                                  row_stride(call.head.weight), call.hidden)) {
+    // Per row: the column tiles' partials and s at the label, instead of the logits.
+    p.row_stats_product = true;
+    pc[kLogitsChunk] = {};
+    pc[kMatmulWs] = {};
+    p.matmul_ws = 0;
+    pc[kPartials] = {0, sizeof(float4) * size_t(row_stats_tiles(call.vocab)), 256};
+    pc[kLabelS] = {0, sizeof(float), 16};
+    p.product_ws = row_stats_product_workspace(row_stats_args(call, call.n_tokens));
+    pc[kProductWs] = {p.product_ws, 0, 256};
   }
   p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, call.n_tokens);
   if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32)
@@ -415,7 +461,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   if (bias) LMLOSS_CHECK(launch_to_f32(call.head.bias.data, call.head.bias.dtype, call.vocab, bias, r.stream));
 
   LossRowsArgs a = row_args_common(call);
-  a.work = call.mode == core::Mode::forward || !grads ? RowWork::stats
+  a.work = plan.row_stats_product                       ? RowWork::stats_from_partials
+           : call.mode == core::Mode::forward || !grads ? RowWork::stats
            : call.mode == core::Mode::backward         ? RowWork::grad_from_lse
                                                        : RowWork::stats_and_grad;
   a.token_loss = loss_wanted ? token_loss : nullptr;
@@ -449,6 +496,22 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         a.grad_ld = gld;
         a.grad_dtype = call.input_dtype;
       }
+      LMLOSS_CHECK(launch_loss_rows(a, r.stream));
+      continue;
+    }
+
+    if (plan.row_stats_product) {
+      RowStatsProductArgs product = row_stats_args(call, rows, row0);
+      product.bias = bias;
+      product.partial = static_cast<float4*>(piece(kPartials));
+      product.label_s = static_cast<float*>(piece(kLabelS));
+      LMLOSS_CHECK(run_row_stats_product(product, piece(kProductWs), plan.product_ws, r.stream));
+      a.logits = nullptr;
+      a.logits_dtype = LMLOSS_F32;
+      a.partial = product.partial;
+      a.partial_ld = product.partial_ld;
+      a.partial_tiles = row_stats_tiles(call.vocab);
+      a.label_s = product.label_s;
       LMLOSS_CHECK(launch_loss_rows(a, r.stream));
       continue;
     }

@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
   const int64_t K = a.top_k;
   const int64_t sparse_ld = K + 1;
   const float* bias = static_cast<const float*>(a.bias);
-  const bool wants_grad = a.work != RowWork::stats;
+  const bool wants_grad = a.work == RowWork::stats_and_grad || a.work == RowWork::grad_from_lse;
   const auto& scale = a.scale;
   const auto& weights = a.weights;
   // The gradient over its own logits, in a narrower type: the tiled, ordered pass.
@@ -143,10 +143,22 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
       continue;
     }
 
-    // lse: one read of the row (online max and sum of exponentials), or the saved value.
+    // lse: one read of the row (online max and sum of exponentials), the product's partials, or
+    // the saved value.
     float lse;
     float sum_s = 0.f;
-    if (a.work != RowWork::grad_from_lse) {
+    if (a.work == RowWork::stats_from_partials) {
+      MaxSum acc{-INFINITY, 0.f};
+      const float4* partial = a.partial + r * a.partial_ld;  // (partial_tiles)
+      for (int64_t i = threadIdx.x; i < a.partial_tiles; i += blockDim.x) {
+        const float4 p = partial[i];
+        acc = merge(acc, MaxSum{p.x, p.y});
+        sum_s += p.z;
+      }
+      acc = block_reduce_maxsum(acc, maxsum_scratch);
+      lse = acc.max + logf(acc.sum);
+      if (weights.label_smoothing != 0.f) sum_s = block_reduce(sum_s, Sum{}, 0.f, sum_scratch);
+    } else if (a.work != RowWork::grad_from_lse) {
       MaxSum acc{-INFINITY, 0.f};
       const bool smoothing = weights.label_smoothing != 0.f;
       for_each_in_row(z, V, [&](int64_t j, float v) {
@@ -169,7 +181,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     // The sparse entries: s at the label and at the teacher ids, saved before any overwrite.
     float s_label = 0.f;
     if (label_used) {
-      s_label = scale.apply(bias ? to_float(z[label]) + bias[label] : to_float(z[label]));
+      s_label = a.label_s ? a.label_s[r] : scale.apply(bias ? to_float(z[label]) + bias[label] : to_float(z[label]));
       if (threadIdx.x == 0) sparse[0] = s_label;
     }
     float teacher_cross = 0.f, teacher_mass = 0.f;
@@ -332,7 +344,8 @@ lmloss_status launch_rows_typed(const LossRowsArgs& args, cudaStream_t stream) {
 lmloss_status launch_loss_rows(const LossRowsArgs& args, cudaStream_t stream) {
   if (args.rows == 0) return LMLOSS_SUCCESS;
   // Without gradients the output type is unused; pair it with the input.
-  const lmloss_dtype out = args.work == RowWork::stats ? args.logits_dtype : args.grad_dtype;
+  const bool grads = args.work == RowWork::stats_and_grad || args.work == RowWork::grad_from_lse;
+  const lmloss_dtype out = grads ? args.grad_dtype : args.logits_dtype;
   switch (args.logits_dtype) {
     case LMLOSS_F32:
       switch (out) {

@@ -9,7 +9,10 @@
 //                into a separate buffer); the few sparse entries are fixed up after a barrier.
 //
 // So the fused forward+backward reads each logit twice and writes its gradient once; backward
-// from a saved lse reads it once. The arithmetic is core/row_math.hpp's, shared with the CPU.
+// from a saved lse reads it once. A forward whose product took the statistics in its epilogue
+// (row_stats_product.cuh) reads no logits at all: the row combines its column tiles' partials,
+// and s at the label comes from the product too. The arithmetic is core/row_math.hpp's, shared
+// with the CPU.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,7 +25,7 @@
 
 namespace lmloss::cuda {
 
-enum class RowWork { stats, stats_and_grad, grad_from_lse };
+enum class RowWork { stats, stats_and_grad, grad_from_lse, stats_from_partials };
 
 struct LossRowsArgs {
   RowWork work = RowWork::stats;
@@ -58,6 +61,13 @@ struct LossRowsArgs {
   const CallScalars* scalars = nullptr;
   int* error_flag = nullptr;
   float* sparse_s = nullptr;     // (rows, top_k + 1) scratch: s at the label, then the teacher ids
+
+  // stats_from_partials (no teacher, no gradient, no logits): per row, partial_tiles
+  // (max, sum exp(s - max), sum s) of column tiles, and s at the label.
+  const float4* partial = nullptr;  // (rows, partial_ld)
+  int64_t partial_ld = 0;
+  int64_t partial_tiles = 0;
+  const float* label_s = nullptr;   // (rows)
 
   core::LogitScale<float> scale{};
   core::LossWeights<float> weights{};

@@ -1,0 +1,60 @@
+// The forward product with each row's softmax statistics taken in its epilogue (sm_90 only).
+//
+//   S = scale(X W^T + b)        (rows, vocab), never stored
+//   partial[r, t] = (max_j s_rj, sum_j exp(s_rj - max), sum_j s_rj) over column tile t
+//   label_s[r]    = s_r,label[r]  (written by the one thread that holds that column)
+//
+// The logits of a forward-only call are needed for nothing but these, so they stay in the
+// product's f32 accumulators: no logits chunk is written or read back (a 4-byte write and read
+// per logit saved, and no workspace for them). The row kernel combines the partials
+// (RowWork::stats_from_partials). Built with CUTLASS for sm_90a when its headers were found at
+// configure time (LMLOSS_ROW_STATS_PRODUCT); elsewhere row_stats_product_supported() is false
+// and the loss takes the cuBLASLt path.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/row_math.hpp"
+#include "lmloss/lmloss.h"
+
+namespace lmloss::cuda {
+
+// Columns per partial: the product's tile width.
+constexpr int64_t kRowStatsTileColumns = 256;
+
+inline int64_t row_stats_tiles(int64_t vocab) {
+  return (vocab + kRowStatsTileColumns - 1) / kRowStatsTileColumns;
+}
+
+struct RowStatsProductArgs {
+  lmloss_dtype dtype = LMLOSS_BF16;  // of hidden and weight: bf16 or f16
+  const void* hidden = nullptr;      // (rows, hidden_size), row stride hidden_ld
+  int64_t hidden_ld = 0;
+  const void* weight = nullptr;      // (vocab, hidden_size), row stride weight_ld
+  int64_t weight_ld = 0;
+  int64_t rows = 0, vocab = 0, hidden_size = 0;
+  const float* bias = nullptr;       // (vocab), optional
+  core::LogitScale<float> scale{};
+  const void* labels = nullptr;      // (n_tokens), optional; row r is token row0 + r
+  lmloss_dtype labels_dtype = LMLOSS_I32;
+  int64_t row0 = 0;
+  float4* partial = nullptr;         // (rows, partial_ld >= row_stats_tiles(vocab)); .w unused
+  int64_t partial_ld = 0;
+  float* label_s = nullptr;          // (rows)
+};
+
+// Whether this build has the product and `device` runs it, for these operands (16-bit, rows and
+// pointers aligned as the tensor-memory copies need).
+bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hidden, int64_t hidden_ld,
+                                 const void* weight, int64_t weight_ld, int64_t hidden_size);
+
+// Device workspace the product needs for `rows` (its tile scheduler's), 256-byte aligned.
+size_t row_stats_product_workspace(const RowStatsProductArgs& args);
+
+lmloss_status run_row_stats_product(const RowStatsProductArgs& args, void* workspace,
+                                    size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace lmloss::cuda

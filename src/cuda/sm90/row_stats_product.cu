@@ -1,0 +1,269 @@
+// The forward product with row statistics in its epilogue (see ../row_stats_product.cuh), built
+// with CUTLASS for sm_90a: its warp-specialised TMA/WGMMA main loop, persistent tile scheduler
+// and device adapter, and an epilogue of our own that reads the f32 accumulators in registers.
+//
+// Tile 128 x 256 x 64, two consumer warpgroups (64 rows each), clusters of 2 along the rows
+// sharing each W tile. In a WGMMA accumulator fragment a thread holds two rows (r and r + 8 of
+// its warp's 16) and, for each, 64 of the tile's 256 columns; the four threads of a quad hold
+// one row's 256 columns together. So a tile row's (max, sum exp) needs two shuffles and no shared
+// memory, and exactly one lane writes it: the partials are deterministic.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "core/context.hpp"
+#include "cuda/common.cuh"
+#include "cuda/row_stats_product.cuh"
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+namespace lmloss::cuda {
+namespace {
+
+using namespace cute;
+
+struct RowStatsOut {
+  const float* bias;               // (vocab) or null
+  core::LogitScale<float> scale;
+  const void* labels;              // (n_tokens) or null
+  lmloss_dtype labels_dtype;
+  int64_t row0;
+  float4* partial;                 // (rows, partial_ld)
+  int64_t partial_ld;
+  float* label_s;                  // (rows)
+};
+
+// A collective epilogue in the interface of CUTLASS's register-only ones (wrapped for the sm_90
+// kernels by Sm90TmaWarpSpecializedAdapter): it stores nothing of the tile but its statistics.
+class RowStatsEpilogue {
+ public:
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<float, 1, float, float>;
+  using ElementC = float;
+  using ElementD = float;
+  using ElementOutput = float;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using StrideC = Stride<int64_t, Int<1>, int64_t>;
+  using StrideD = StrideC;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  struct SharedStorage {};
+  using TensorStorage = SharedStorage;
+  using Arguments = RowStatsOut;
+  using Params = RowStatsOut;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+
+  CUTLASS_HOST_DEVICE explicit RowStatsEpilogue(Params const& params, SharedStorage const& = SharedStorage())
+      : params_(params) {}
+
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_mnkl, TileShapeMNK tile_mnk, TileCoordMNKL tile_coord,
+                                 Tensor<AccEngine, AccLayout> const& accumulators, TiledMma tiled_mma,
+                                 ResidueMNK, int thread_idx, char*) {
+    static_assert(rank<0>(AccLayout{}) == 3 && size<0, 0>(AccLayout{}) == 2 && size<0, 1>(AccLayout{}) == 2,
+                  "expected a WGMMA accumulator fragment ((2 columns, 2 row halves, N/8), MMA_M, MMA_N)");
+    constexpr int kSlots = 2 * size<1>(AccLayout{});  // rows this thread holds
+    const int rows = get<0>(problem_mnkl);
+    const int vocab = get<1>(problem_mnkl);
+    const int m_tile = get<0>(tile_coord);
+    const int n_tile = get<1>(tile_coord);
+    Tensor coords = local_tile(make_identity_tensor(make_shape(rows, vocab)), take<0, 2>(tile_mnk),
+                               make_coord(m_tile, n_tile));                       // (TILE_M, TILE_N)
+    Tensor thread_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(coords);  // like accumulators
+    // The kernel reads the accumulators no more after the epilogue: s is formed in place.
+    auto& s = const_cast<Tensor<AccEngine, AccLayout>&>(accumulators);
+    auto slot_of = [](int i) {
+      const auto c = idx2crd(i, shape(AccLayout{}));
+      return get<0, 1>(c) + 2 * get<1>(c);
+    };
+
+    int row_of[kSlots];
+    int64_t label_of[kSlots];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(s); ++i) {
+      const auto c = idx2crd(i, shape(AccLayout{}));
+      if (get<0, 0>(c) == 0 && get<0, 2>(c) == 0 && get<2>(c) == 0) row_of[slot_of(i)] = get<0>(thread_coords(i));
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kSlots; ++k)
+      label_of[k] = params_.labels && row_of[k] < rows
+                        ? load_id(params_.labels, params_.labels_dtype, params_.row0 + row_of[k]) : -1;
+
+    float row_max[kSlots], row_sum[kSlots], row_sum_s[kSlots];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kSlots; ++k) {
+      row_max[k] = -INFINITY;
+      row_sum[k] = row_sum_s[k] = 0.f;
+    }
+    auto quad_max = [&] {
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kSlots; ++k) {
+        row_max[k] = fmaxf(row_max[k], __shfl_xor_sync(0xffffffffu, row_max[k], 1));
+        row_max[k] = fmaxf(row_max[k], __shfl_xor_sync(0xffffffffu, row_max[k], 2));
+      }
+    };
+    // The epilogue runs between main loops: every instruction per element shows in the product's
+    // time (measured on an H200: a second softcap/bias test per element cost 80%). So the common
+    // case, a whole tile with s = z / T, gets two lean passes over z; bias, soft-capping or a
+    // ragged last tile take the general ones.
+    const float inv_t = params_.scale.inv_temperature;
+    if (!params_.bias && params_.scale.softcap == 0.f && (n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(s); ++i) {
+        const int k = slot_of(i);
+        row_max[k] = fmaxf(row_max[k], s(i));
+        if (get<1>(thread_coords(i)) == label_of[k]) params_.label_s[row_of[k]] = s(i) * inv_t;
+      }
+      quad_max();
+      // exp(s - max s) = 2^((z - max z) log2(e) / T): T > 0, so max s = (max z) / T exactly.
+      const float to_log2 = inv_t * 1.4426950408889634f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(s); ++i) {
+        const int k = slot_of(i);
+        row_sum[k] += exp2f((s(i) - row_max[k]) * to_log2);
+        row_sum_s[k] += s(i);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kSlots; ++k) {
+        row_max[k] *= inv_t;
+        row_sum_s[k] *= inv_t;
+      }
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(s); ++i) {
+        const int col = get<1>(thread_coords(i));
+        const int k = slot_of(i);
+        if (col >= vocab) continue;
+        const float v = params_.scale.apply(params_.bias ? s(i) + params_.bias[col] : s(i));
+        s(i) = v;
+        row_max[k] = fmaxf(row_max[k], v);
+        if (col == label_of[k]) params_.label_s[row_of[k]] = v;
+      }
+      quad_max();
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(s); ++i) {
+        if (get<1>(thread_coords(i)) >= vocab) continue;
+        const int k = slot_of(i);
+        row_sum[k] += expf(s(i) - row_max[k]);
+        row_sum_s[k] += s(i);
+      }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kSlots; ++k) {
+#pragma unroll
+      for (int lane_mask = 1; lane_mask <= 2; lane_mask <<= 1) {
+        row_sum[k] += __shfl_xor_sync(0xffffffffu, row_sum[k], lane_mask);
+        row_sum_s[k] += __shfl_xor_sync(0xffffffffu, row_sum_s[k], lane_mask);
+      }
+      if ((thread_idx & 3) == 0 && row_of[k] < rows)
+        params_.partial[int64_t(row_of[k]) * params_.partial_ld + n_tile] =
+            make_float4(row_max[k], row_sum[k], row_sum_s[k], 0.f);
+    }
+  }
+
+ private:
+  Params params_;
+};
+
+template <typename Element>
+struct RowStatsGemm {
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue>;
+  // A = X (rows, hidden) row-major; B = W (vocab, hidden): K-major, CUTLASS's column-major B.
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8, Element,
+      cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<0>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static_assert(size<1>(TileShape{}) == kRowStatsTileColumns, "one partial per column tile");
+
+  static typename Device::Arguments arguments(const RowStatsProductArgs& a) {
+    const RowStatsOut out{a.bias, a.scale, a.labels, a.labels_dtype, a.row0, a.partial, a.partial_ld, a.label_s};
+    return {cutlass::gemm::GemmUniversalMode::kGemm,
+            {int(a.rows), int(a.vocab), int(a.hidden_size), 1},
+            {static_cast<const Element*>(a.hidden), {a.hidden_ld, Int<1>{}, int64_t(0)},
+             static_cast<const Element*>(a.weight), {a.weight_ld, Int<1>{}, int64_t(0)}},
+            out};
+  }
+
+  static size_t workspace(const RowStatsProductArgs& a) { return Device::get_workspace_size(arguments(a)); }
+
+  static lmloss_status run(const RowStatsProductArgs& a, void* workspace, cudaStream_t stream) {
+    const auto args = arguments(a);
+    Device gemm;
+    cutlass::Status st = gemm.can_implement(args);
+    if (st == cutlass::Status::kSuccess) st = gemm.initialize(args, workspace, stream);
+    if (st == cutlass::Status::kSuccess) st = gemm.run(stream);
+    if (st != cutlass::Status::kSuccess)
+      return core::fail(LMLOSS_ERROR_BACKEND,
+                        std::string("row statistics product: ") + cutlass::cutlassGetStatusString(st));
+    return LMLOSS_SUCCESS;
+  }
+};
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hidden, int64_t hidden_ld,
+                                 const void* weight, int64_t weight_ld, int64_t hidden_size) {
+  if (dtype != LMLOSS_BF16 && dtype != LMLOSS_F16) return false;
+  // The tensor-memory copies move 16-byte rows from 16-byte-aligned addresses.
+  if (hidden_size % 8 || hidden_ld % 8 || weight_ld % 8 || !aligned16(hidden) || !aligned16(weight)) return false;
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0;  // sm_90a code runs on sm_90 only
+}
+
+size_t row_stats_product_workspace(const RowStatsProductArgs& args) {
+  const size_t bytes = args.dtype == LMLOSS_F16 ? RowStatsGemm<cutlass::half_t>::workspace(args)
+                                                : RowStatsGemm<cutlass::bfloat16_t>::workspace(args);
+  return (bytes + 255) / 256 * 256;
+}
+
+lmloss_status run_row_stats_product(const RowStatsProductArgs& args, void* workspace, size_t,
+                                    cudaStream_t stream) {
+  switch (args.dtype) {
+    case LMLOSS_BF16: return RowStatsGemm<cutlass::bfloat16_t>::run(args, workspace, stream);
+    case LMLOSS_F16: return RowStatsGemm<cutlass::half_t>::run(args, workspace, stream);
+    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "row statistics product: bf16 or f16 only");
+  }
+}
+
+}  // namespace lmloss::cuda
