@@ -166,9 +166,10 @@ bool statistics_product_expected() {
 
 // A forward of a 16-bit linear head with statistics from the product's epilogue: against the
 // reference at odd shapes (one token; a vocabulary of exactly one column tile, and of one more;
-// 50021), every option, strided rows, i64 labels; bitwise the same on a second run. Its workspace
-// shows the path was taken: no logits chunk and no cuBLASLt workspace (that path holds 32 MiB
-// for the products alone), a few floats per row and column tile instead.
+// 50021), every option that path takes (no bias, no soft-capping), strided rows, i64 labels;
+// bitwise the same on a second run. Its workspace shows the path was taken: no logits chunk and
+// no cuBLASLt workspace (that path holds 32 MiB for the products alone), a few floats per row and
+// column tile instead; with a bias the same call keeps the cuBLASLt path.
 TEST_F(Cuda, ForwardStatisticsFromTheProductMatchReference) {
   if (!statistics_product_expected())
     GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
@@ -179,14 +180,19 @@ TEST_F(Cuda, ForwardStatisticsFromTheProductMatchReference) {
   for (const Shape shape : {Shape{1, 50021, 64, 0}, Shape{700, 1999, 136, 8}, Shape{300, 256, 64, 0},
                             Shape{300, 257, 72, 0}}) {
     for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
-      for (const char* name : {"plain", "smoothing_zloss_softcap_temperature", "none"}) {
+      for (const char* name : {"plain", "smoothing_zloss_temperature", "none", "normalizer"}) {
         SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + name + " N " + std::to_string(shape.n_tokens) +
                      " V " + std::to_string(shape.vocab) + " H " + std::to_string(shape.hidden));
-        ProblemSpec spec{.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden, .bias = true};
+        ProblemSpec spec{.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden};
         LossSetup s = setup(dtype, LMLOSS_F32);
         s.row_padding = shape.row_padding;
         s.label_dtype = LMLOSS_I64;
-        LossCase c(gen.problem(spec), options_named(name), s);
+        lmloss_loss_options o = options_named(name);
+        if (std::string(name) == "smoothing_zloss_temperature") {
+          o = options_named("smoothing_zloss_softcap_temperature");
+          o.softcap = 0;
+        }
+        LossCase c(gen.problem(spec), o, s);
         lmloss::Context ctx;
         ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
         expect_matches_reference(c, Mode::forward);
@@ -194,6 +200,14 @@ TEST_F(Cuda, ForwardStatisticsFromTheProductMatchReference) {
         const std::vector<double> first = c.output_values();
         ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
         EXPECT_TRUE(bitwise_equal(first, c.output_values()));
+      }
+      {  // a bias: the cuBLASLt path
+        ProblemSpec spec{.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden, .bias = true};
+        LossCase c(gen.problem(spec), options_named("plain"), setup(dtype, LMLOSS_F32));
+        lmloss::Context ctx;
+        ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        expect_matches_reference(c, Mode::forward);
+        EXPECT_GT(ctx.peak_workspace(), size_t(32) << 20) << "a head with a bias keeps the cuBLASLt path";
       }
     }
   }

@@ -250,10 +250,20 @@ def _setup_forward_backward(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
 
 
+_CAST_SLICE_BYTES = 64 << 20
+
+
 def _scaled_to(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
-    """grad * grad_loss in dtype, written straight into the result: a float32 weight gradient
-    of a 16-bit head (2 GiB at V 128256, H 4096) gets no float32 temporary beside it."""
-    return torch.mul(grad, grad_loss, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
+    """grad * grad_loss in dtype, rounded once. A product whose out= has another dtype is
+    computed into a temporary of the full size first, so a float32 weight gradient of a 16-bit
+    head (2 GiB at V 128256, H 4096) goes a slice of rows at a time."""
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    if grad.dim() == 0 or grad.dtype == dtype:
+        return torch.mul(grad, grad_loss, out=out)
+    step = max(1, _CAST_SLICE_BYTES // max(1, grad[0].numel() * grad.element_size()))
+    for r in range(0, grad.shape[0], step):
+        torch.mul(grad[r:r + step], grad_loss, out=out[r:r + step])
+    return out
 
 
 def _backward_forward_backward(ctx, grad_loss, *_grads_of_aux):

@@ -10,8 +10,8 @@
 //   dX_chunk (rows, hidden) = G W / S                          cuBLASLt
 //   dW (vocab, hidden)     += G^T X_chunk / S                  cuBLASLt, beta 1 after the first chunk
 //   db (vocab)             += column sums of G / S, rows in order
-// A forward-only call of a 16-bit linear head without a teacher, on an sm_90 device, takes each
-// chunk's statistics in the product's epilogue instead (row_stats_product.cuh): no logits chunk.
+// A forward-only call of a 16-bit linear head without a teacher, bias or soft-capping, on an
+// sm_90 device, takes each chunk's statistics in the product's epilogue instead (row_stats_product.cuh): no logits chunk.
 // Nothing here waits for the device: the loss, lse and gradients stay where the caller pointed.
 #include <cuda_runtime.h>
 
@@ -213,7 +213,7 @@ RowStatsProductArgs row_stats_args(const core::LossCall& call, int64_t rows, int
   a.rows = rows;
   a.vocab = call.vocab;
   a.hidden_size = call.hidden;
-  a.scale = core::LogitScale<float>::make(call.options.softcap, call.options.temperature);
+  a.inv_temperature = float(1.0 / call.options.temperature);
   a.labels = call.targets.labels.data;
   a.labels_dtype = call.targets.labels.dtype;
   a.row0 = row0;
@@ -324,7 +324,8 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     if (call.head.bias.data) pc[kBiasF32].fixed = sizeof(float) * call.vocab;
     if (grads && call.grads.grad_bias.data) pc[kBiasGrad].fixed = sizeof(float) * call.vocab;
   }
-  if (call.linear && !grads_computed(call) && !call.has_teacher() &&
+  if (call.linear && !grads_computed(call) && !call.has_teacher() && !call.head.bias.data &&
+      !(call.options.softcap > 0) &&
       row_stats_product_supported(call.device_index, call.input_dtype, call.head.hidden.data,
                                   row_stride(call.head.hidden), call.head.weight.data,
                                   row_stride(call.head.weight), call.hidden)) {
@@ -502,7 +503,6 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
 
     if (plan.row_stats_product) {
       RowStatsProductArgs product = row_stats_args(call, rows, row0);
-      product.bias = bias;
       product.partial = static_cast<float4*>(piece(kPartials));
       product.label_s = static_cast<float*>(piece(kLabelS));
       LMLOSS_CHECK(run_row_stats_product(product, piece(kProductWs), plan.product_ws, r.stream));

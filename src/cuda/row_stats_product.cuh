@@ -1,13 +1,14 @@
 // The forward product with each row's softmax statistics taken in its epilogue (sm_90 only).
 //
-//   S = scale(X W^T + b)        (rows, vocab), never stored
+//   S = X W^T / T               (rows, vocab), never stored
 //   partial[r, t] = (max_j s_rj, sum_j exp(s_rj - max), sum_j s_rj) over column tile t
 //   label_s[r]    = s_r,label[r]  (written by the one thread that holds that column)
 //
 // The logits of a forward-only call are needed for nothing but these, so they stay in the
 // product's f32 accumulators: no logits chunk is written or read back (a 4-byte write and read
 // per logit saved, and no workspace for them). The row kernel combines the partials
-// (RowWork::stats_from_partials). Built with CUTLASS for sm_90a when its headers were found at
+// (RowWork::stats_from_partials). Heads with a bias or soft-capping keep the cuBLASLt path: their
+// per-logit work belongs in the memory-bound row kernel, not between the product's main loops. Built with CUTLASS for sm_90a when its headers were found at
 // configure time (LMLOSS_ROW_STATS_PRODUCT); elsewhere row_stats_product_supported() is false
 // and the loss takes the cuBLASLt path.
 #pragma once
@@ -17,7 +18,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "core/row_math.hpp"
 #include "lmloss/lmloss.h"
 
 namespace lmloss::cuda {
@@ -36,8 +36,7 @@ struct RowStatsProductArgs {
   const void* weight = nullptr;      // (vocab, hidden_size), row stride weight_ld
   int64_t weight_ld = 0;
   int64_t rows = 0, vocab = 0, hidden_size = 0;
-  const float* bias = nullptr;       // (vocab), optional
-  core::LogitScale<float> scale{};
+  float inv_temperature = 1;
   const void* labels = nullptr;      // (n_tokens), optional; row r is token row0 + r
   lmloss_dtype labels_dtype = LMLOSS_I32;
   int64_t row0 = 0;
@@ -47,7 +46,7 @@ struct RowStatsProductArgs {
 };
 
 // Whether this build has the product and `device` runs it, for these operands (16-bit, rows and
-// pointers aligned as the tensor-memory copies need).
+// pointers aligned as the tensor-memory copies need). The caller rules out bias and soft-capping.
 bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hidden, int64_t hidden_ld,
                                  const void* weight, int64_t weight_ld, int64_t hidden_size);
 

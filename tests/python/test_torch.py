@@ -317,6 +317,28 @@ def test_cuda_workspace_comes_from_torch_allocator():
 
 
 @needs_cuda
+def test_cuda_weight_gradient_cast_without_a_full_size_temporary(monkeypatch):
+    # The fused pass keeps a 16-bit head's dW in float32; backward rounds it to the parameter's
+    # dtype once, in slices, so beside the saved float32 gradient it adds little more than the
+    # result: 32 MiB here (a full-size float32 temporary would add 64 MiB more).
+    monkeypatch.setattr(lt, "_CAST_SLICE_BYTES", 4 << 20)
+    x, w, b, y = linear_inputs(dtype=torch.bfloat16, device="cuda", batch=(4, 64), v=32768, h=512)
+    loss = lt.linear_cross_entropy(x, w, y) * 0.5  # an upstream gradient that is not 1
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < w.numel() * 2 + (16 << 20), f"backward allocated {extra / 2**20:.1f} MiB"
+    xr, wr = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    (naive_loss(xr, wr, None, y) * 0.5).backward()
+    assert w.grad.dtype == torch.bfloat16
+    assert_close(w.grad, wr.grad, "bfloat16", "weight gradient")
+    assert_close(x.grad, xr.grad, "bfloat16", "hidden gradient")
+
+
+@needs_cuda
 def test_cuda_compile_inductor_and_bad_label_flag():
     x, w, b, y = linear_inputs(dtype=torch.bfloat16, device="cuda", batch=(8, 128), v=4096, h=256)
     torch._dynamo.reset()

@@ -30,8 +30,7 @@ namespace {
 using namespace cute;
 
 struct RowStatsOut {
-  const float* bias;               // (vocab) or null
-  core::LogitScale<float> scale;
+  float inv_temperature;
   const void* labels;              // (n_tokens) or null
   lmloss_dtype labels_dtype;
   int64_t row0;
@@ -98,8 +97,7 @@ class RowStatsEpilogue {
     Tensor coords = local_tile(make_identity_tensor(make_shape(rows, vocab)), take<0, 2>(tile_mnk),
                                make_coord(m_tile, n_tile));                       // (TILE_M, TILE_N)
     Tensor thread_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(coords);  // like accumulators
-    // The kernel reads the accumulators no more after the epilogue: s is formed in place.
-    auto& s = const_cast<Tensor<AccEngine, AccLayout>&>(accumulators);
+    auto const& z = accumulators;  // (like thread_coords) the tile's logits, f32
     auto slot_of = [](int i) {
       const auto c = idx2crd(i, shape(AccLayout{}));
       return get<0, 1>(c) + 2 * get<1>(c);
@@ -108,7 +106,7 @@ class RowStatsEpilogue {
     int row_of[kSlots];
     int64_t label_of[kSlots];
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(s); ++i) {
+    for (int i = 0; i < size(z); ++i) {
       const auto c = idx2crd(i, shape(AccLayout{}));
       if (get<0, 0>(c) == 0 && get<0, 2>(c) == 0 && get<2>(c) == 0) row_of[slot_of(i)] = get<0>(thread_coords(i));
     }
@@ -117,64 +115,47 @@ class RowStatsEpilogue {
       label_of[k] = params_.labels && row_of[k] < rows
                         ? load_id(params_.labels, params_.labels_dtype, params_.row0 + row_of[k]) : -1;
 
+    // s = z / T. The epilogue runs between main loops, so every instruction per element shows in
+    // the product's time (measured on an H200: applying soft-capping and a bias twice per element
+    // made it 80% slower): two lean passes over z, the column test only in the ragged last tile.
+    // exp(s - max s) = 2^((z - max z) log2(e) / T), and T > 0 makes max s = (max z) / T exactly.
+    const float inv_t = params_.inv_temperature;
+    const float to_log2 = inv_t * 1.4426950408889634f;
     float row_max[kSlots], row_sum[kSlots], row_sum_s[kSlots];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kSlots; ++k) {
       row_max[k] = -INFINITY;
       row_sum[k] = row_sum_s[k] = 0.f;
     }
-    auto quad_max = [&] {
+    auto statistics = [&](auto ragged) {
+      auto in_vocab = [&](int col) { return !decltype(ragged)::value || col < vocab; };
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(z); ++i) {
+        const int col = get<1>(thread_coords(i));
+        const int k = slot_of(i);
+        if (!in_vocab(col)) continue;
+        row_max[k] = fmaxf(row_max[k], z(i));
+        if (col == label_of[k]) params_.label_s[row_of[k]] = z(i) * inv_t;
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kSlots; ++k) {
         row_max[k] = fmaxf(row_max[k], __shfl_xor_sync(0xffffffffu, row_max[k], 1));
         row_max[k] = fmaxf(row_max[k], __shfl_xor_sync(0xffffffffu, row_max[k], 2));
       }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(z); ++i) {
+        if (!in_vocab(get<1>(thread_coords(i)))) continue;
+        const int k = slot_of(i);
+        row_sum[k] += exp2f((z(i) - row_max[k]) * to_log2);
+        row_sum_s[k] += z(i);
+      }
     };
-    // The epilogue runs between main loops: every instruction per element shows in the product's
-    // time (measured on an H200: a second softcap/bias test per element cost 80%). So the common
-    // case, a whole tile with s = z / T, gets two lean passes over z; bias, soft-capping or a
-    // ragged last tile take the general ones.
-    const float inv_t = params_.scale.inv_temperature;
-    if (!params_.bias && params_.scale.softcap == 0.f && (n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(s); ++i) {
-        const int k = slot_of(i);
-        row_max[k] = fmaxf(row_max[k], s(i));
-        if (get<1>(thread_coords(i)) == label_of[k]) params_.label_s[row_of[k]] = s(i) * inv_t;
-      }
-      quad_max();
-      // exp(s - max s) = 2^((z - max z) log2(e) / T): T > 0, so max s = (max z) / T exactly.
-      const float to_log2 = inv_t * 1.4426950408889634f;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(s); ++i) {
-        const int k = slot_of(i);
-        row_sum[k] += exp2f((s(i) - row_max[k]) * to_log2);
-        row_sum_s[k] += s(i);
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kSlots; ++k) {
-        row_max[k] *= inv_t;
-        row_sum_s[k] *= inv_t;
-      }
-    } else {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(s); ++i) {
-        const int col = get<1>(thread_coords(i));
-        const int k = slot_of(i);
-        if (col >= vocab) continue;
-        const float v = params_.scale.apply(params_.bias ? s(i) + params_.bias[col] : s(i));
-        s(i) = v;
-        row_max[k] = fmaxf(row_max[k], v);
-        if (col == label_of[k]) params_.label_s[row_of[k]] = v;
-      }
-      quad_max();
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(s); ++i) {
-        if (get<1>(thread_coords(i)) >= vocab) continue;
-        const int k = slot_of(i);
-        row_sum[k] += expf(s(i) - row_max[k]);
-        row_sum_s[k] += s(i);
-      }
+    if ((n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) statistics(cute::false_type{});
+    else statistics(cute::true_type{});
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kSlots; ++k) {
+      row_max[k] *= inv_t;
+      row_sum_s[k] *= inv_t;
     }
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kSlots; ++k) {
@@ -210,7 +191,7 @@ struct RowStatsGemm {
   static_assert(size<1>(TileShape{}) == kRowStatsTileColumns, "one partial per column tile");
 
   static typename Device::Arguments arguments(const RowStatsProductArgs& a) {
-    const RowStatsOut out{a.bias, a.scale, a.labels, a.labels_dtype, a.row0, a.partial, a.partial_ld, a.label_s};
+    const RowStatsOut out{a.inv_temperature, a.labels, a.labels_dtype, a.row0, a.partial, a.partial_ld, a.label_s};
     return {cutlass::gemm::GemmUniversalMode::kGemm,
             {int(a.rows), int(a.vocab), int(a.hidden_size), 1},
             {static_cast<const Element*>(a.hidden), {a.hidden_ld, Int<1>{}, int64_t(0)},
