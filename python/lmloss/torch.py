@@ -222,9 +222,16 @@ def _setup_forward(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:_N_HEAD_TARGETS], output[1])
     ctx.options = inputs[_N_HEAD_TARGETS:_N_HEAD_TARGETS + _N_OPTIONS]
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # see _setup_forward_backward
+
+
+def _no_grads(count: int):
+    return (None,) * count
 
 
 def _backward_forward(ctx, grad_loss, _grad_lse):
+    if grad_loss is None:
+        return _no_grads(_N_HEAD_TARGETS + _N_OPTIONS)
     saved = ctx.saved_tensors
     head_targets, lse = saved[:_N_HEAD_TARGETS], saved[_N_HEAD_TARGETS]
     logits, hidden, weight, bias = head_targets[:4]
@@ -248,6 +255,9 @@ def _setup_forward_backward(ctx, inputs, output):
     ctx.want = inputs[_N_HEAD_TARGETS + _N_OPTIONS:]
     ctx.save_for_backward(*output[2:])
     ctx.mark_non_differentiable(*output[1:])
+    # Gradients of the outputs besides the loss are never used; materialised, they would be zero
+    # tensors of the gradients' sizes (a float32 dW of 2 GiB at V 128256, H 4096) made in backward.
+    ctx.set_materialize_grads(False)
 
 
 _CAST_SLICE_BYTES = 64 << 20
@@ -267,6 +277,8 @@ def _scaled_to(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _backward_forward_backward(ctx, grad_loss, *_grads_of_aux):
+    if grad_loss is None:
+        return _no_grads(_N_HEAD_TARGETS + _N_OPTIONS + 4)
     grads = ctx.saved_tensors
     out = [None] * (_N_HEAD_TARGETS + _N_OPTIONS + 4)
     for i in range(4):
