@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -324,8 +325,11 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     if (call.head.bias.data) pc[kBiasF32].fixed = sizeof(float) * call.vocab;
     if (grads && call.grads.grad_bias.data) pc[kBiasGrad].fixed = sizeof(float) * call.vocab;
   }
+  // The product's shape is 32-bit: chunks of at most 2^31 - 1 rows, and vocab and hidden below that.
+  constexpr int64_t kProductDimLimit = std::numeric_limits<int32_t>::max();
+  int64_t row_limit = call.n_tokens;
   if (call.linear && !grads_computed(call) && !call.has_teacher() && !call.head.bias.data &&
-      !(call.options.softcap > 0) &&
+      !(call.options.softcap > 0) && call.vocab <= kProductDimLimit && call.hidden <= kProductDimLimit &&
       row_stats_product_supported(call.device_index, call.input_dtype, call.head.hidden.data,
                                   row_stride(call.head.hidden), call.head.weight.data,
                                   row_stride(call.head.weight), call.hidden)) {
@@ -336,10 +340,11 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     p.matmul_ws = 0;
     pc[kPartials] = {0, sizeof(float4) * size_t(row_stats_tiles(call.vocab)), 256};
     pc[kLabelS] = {0, sizeof(float), 16};
-    p.product_ws = row_stats_product_workspace(row_stats_args(call, call.n_tokens));
+    row_limit = std::min(call.n_tokens, kProductDimLimit);
+    p.product_ws = row_stats_product_workspace(row_stats_args(call, row_limit));
     pc[kProductWs] = {p.product_ws, 0, 256};
   }
-  p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, call.n_tokens);
+  p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
   if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32)
     if (std::optional<LossPlan> split = plan_separate_grad(context, call, p)) return *split;
   return p;
