@@ -11,7 +11,8 @@
 //   dW (vocab, hidden)     += G^T X_chunk / S                  cuBLASLt, beta 1 after the first chunk
 //   db (vocab)             += column sums of G / S, rows in order
 // A forward-only call of a 16-bit linear head without a teacher, bias or soft-capping, on an
-// sm_90 device, takes each chunk's statistics in the product's epilogue instead (row_stats_product.cuh): no logits chunk.
+// sm_90 device, takes each chunk's statistics in the product's epilogue instead
+// (row_stats_product.cuh): no logits chunk.
 // Nothing here waits for the device: the loss, lse and gradients stay where the caller pointed.
 #include <cuda_runtime.h>
 
@@ -255,7 +256,6 @@ struct LossPlan {
   lmloss_dtype grad_dtype = LMLOSS_F32;
   size_t matmul_ws = 0;
   bool row_stats_product = false; // linear forward: statistics from the product (no logits chunk)
-  size_t product_ws = 0;
 };
 
 int64_t chunk_count(int64_t n, int64_t rows) { return rows > 0 ? (n + rows - 1) / rows : 0; }
@@ -341,8 +341,7 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     pc[kPartials] = {0, sizeof(float4) * size_t(row_stats_tiles(call.vocab)), 256};
     pc[kLabelS] = {0, sizeof(float), 16};
     row_limit = std::min(call.n_tokens, kProductDimLimit);
-    p.product_ws = row_stats_product_workspace(row_stats_args(call, row_limit));
-    pc[kProductWs] = {p.product_ws, 0, 256};
+    pc[kProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
   }
   p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
   if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32)
@@ -450,6 +449,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   float* sparse = static_cast<float*>(piece(kSparse));
   float* logits_chunk = static_cast<float*>(piece(kLogitsChunk));
   void* grad_chunk = piece(kGradChunk);
+  auto* partials = static_cast<float4*>(piece(kPartials));
+  auto* label_s = static_cast<float*>(piece(kLabelS));
 
   PrepareArgs prep;
   prep.n_tokens = call.n_tokens;
@@ -467,10 +468,17 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   if (bias) LMLOSS_CHECK(launch_to_f32(call.head.bias.data, call.head.bias.dtype, call.vocab, bias, r.stream));
 
   LossRowsArgs a = row_args_common(call);
-  a.work = plan.row_stats_product                       ? RowWork::stats_from_partials
-           : call.mode == core::Mode::forward || !grads ? RowWork::stats
-           : call.mode == core::Mode::backward         ? RowWork::grad_from_lse
-                                                       : RowWork::stats_and_grad;
+  a.work = plan.row_stats_product             ? RowWork::stats_from_partials
+           : !grads_computed(call)             ? RowWork::stats
+           : call.mode == core::Mode::backward ? RowWork::grad_from_lse
+                                               : RowWork::stats_and_grad;
+  if (plan.row_stats_product) {  // every chunk's partials land in the same pieces
+    a.logits_dtype = LMLOSS_F32;
+    a.partial = partials;
+    a.partial_ld = row_stats_tiles(call.vocab);
+    a.partial_tiles = a.partial_ld;
+    a.label_s = label_s;
+  }
   a.token_loss = loss_wanted ? token_loss : nullptr;
   a.lse_out = call.mode != core::Mode::backward ? static_cast<float*>(call.lse.data) : nullptr;
   a.lse_in = call.mode == core::Mode::backward ? static_cast<const float*>(call.lse.data) : nullptr;
@@ -508,15 +516,9 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
 
     if (plan.row_stats_product) {
       RowStatsProductArgs product = row_stats_args(call, rows, row0);
-      product.partial = static_cast<float4*>(piece(kPartials));
-      product.label_s = static_cast<float*>(piece(kLabelS));
-      LMLOSS_CHECK(run_row_stats_product(product, piece(kProductWs), plan.product_ws, r.stream));
-      a.logits = nullptr;
-      a.logits_dtype = LMLOSS_F32;
-      a.partial = product.partial;
-      a.partial_ld = product.partial_ld;
-      a.partial_tiles = row_stats_tiles(call.vocab);
-      a.label_s = product.label_s;
+      product.partial = partials;
+      product.label_s = label_s;
+      LMLOSS_CHECK(run_row_stats_product(product, piece(kProductWs), r.stream));
       LMLOSS_CHECK(launch_loss_rows(a, r.stream));
       continue;
     }

@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
   const int64_t K = a.top_k;
   const int64_t sparse_ld = K + 1;
   const float* bias = static_cast<const float*>(a.bias);
-  const bool wants_grad = a.work == RowWork::stats_and_grad || a.work == RowWork::grad_from_lse;
+  const bool wants_grad = forms_gradient(a.work);
   const auto& scale = a.scale;
   const auto& weights = a.weights;
   // The gradient over its own logits, in a narrower type: the tiled, ordered pass.
@@ -344,8 +344,7 @@ lmloss_status launch_rows_typed(const LossRowsArgs& args, cudaStream_t stream) {
 lmloss_status launch_loss_rows(const LossRowsArgs& args, cudaStream_t stream) {
   if (args.rows == 0) return LMLOSS_SUCCESS;
   // Without gradients the output type is unused; pair it with the input.
-  const bool grads = args.work == RowWork::stats_and_grad || args.work == RowWork::grad_from_lse;
-  const lmloss_dtype out = grads ? args.grad_dtype : args.logits_dtype;
+  const lmloss_dtype out = forms_gradient(args.work) ? args.grad_dtype : args.logits_dtype;
   switch (args.logits_dtype) {
     case LMLOSS_F32:
       switch (out) {

@@ -27,6 +27,10 @@ namespace lmloss::cuda {
 
 enum class RowWork { stats, stats_and_grad, grad_from_lse, stats_from_partials };
 
+__host__ __device__ constexpr bool forms_gradient(RowWork work) {
+  return work == RowWork::stats_and_grad || work == RowWork::grad_from_lse;
+}
+
 struct LossRowsArgs {
   RowWork work = RowWork::stats;
   const void* logits = nullptr;  // (rows, vocab), row stride logits_ld

@@ -8,9 +8,10 @@
 // product's f32 accumulators: no logits chunk is written or read back (a 4-byte write and read
 // per logit saved, and no workspace for them). The row kernel combines the partials
 // (RowWork::stats_from_partials). Heads with a bias or soft-capping keep the cuBLASLt path: their
-// per-logit work belongs in the memory-bound row kernel, not between the product's main loops. Built with CUTLASS for sm_90a when its headers were found at
-// configure time (LMLOSS_ROW_STATS_PRODUCT); elsewhere row_stats_product_supported() is false
-// and the loss takes the cuBLASLt path.
+// per-logit work belongs in the memory-bound row kernel, not between the product's main loops.
+// Built with CUTLASS for sm_90a when its headers were found at configure time
+// (LMLOSS_ROW_STATS_PRODUCT); elsewhere row_stats_product_supported() is false and the loss takes
+// the cuBLASLt path.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -53,7 +54,7 @@ bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hid
 // Device workspace the product needs for `rows` (its tile scheduler's), 256-byte aligned.
 size_t row_stats_product_workspace(const RowStatsProductArgs& args);
 
-lmloss_status run_row_stats_product(const RowStatsProductArgs& args, void* workspace,
-                                    size_t workspace_bytes, cudaStream_t stream);
+// `workspace`: row_stats_product_workspace(args) bytes.
+lmloss_status run_row_stats_product(const RowStatsProductArgs& args, void* workspace, cudaStream_t stream);
 
 }  // namespace lmloss::cuda

@@ -13,7 +13,7 @@ bool row_stats_product_supported(int, lmloss_dtype, const void*, int64_t, const 
 
 size_t row_stats_product_workspace(const RowStatsProductArgs&) { return 0; }
 
-lmloss_status run_row_stats_product(const RowStatsProductArgs&, void*, size_t, cudaStream_t) {
+lmloss_status run_row_stats_product(const RowStatsProductArgs&, void*, cudaStream_t) {
   return core::fail(LMLOSS_ERROR_UNSUPPORTED, "row statistics product: not in this build");
 }
 

@@ -9,6 +9,7 @@
 // memory, and exactly one lane writes it: the partials are deterministic.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <string>
 
 #include "core/context.hpp"
@@ -216,6 +217,25 @@ struct RowStatsGemm {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Whether `device` is an sm_90 (the only chip sm_90a code runs on), read once per device: every
+// call plans twice (checking, then running).
+bool is_sm90(int device) {
+  constexpr int kDevices = 64;
+  static std::atomic<int8_t> known[kDevices];  // 0 unknown, 1 yes, -1 no
+  if (device < 0 || device >= kDevices) return false;
+  if (const int8_t k = known[device].load(std::memory_order_relaxed)) return k > 0;
+  int major = 0, minor = 0;
+  const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
+  if (!ok) {
+    cudaGetLastError();
+    return false;  // not remembered: a later call may find the device
+  }
+  const bool yes = major == 9 && minor == 0;
+  known[device].store(yes ? 1 : -1, std::memory_order_relaxed);
+  return yes;
+}
+
 }  // namespace
 
 bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hidden, int64_t hidden_ld,
@@ -223,13 +243,7 @@ bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hid
   if (dtype != LMLOSS_BF16 && dtype != LMLOSS_F16) return false;
   // The tensor-memory copies move 16-byte rows from 16-byte-aligned addresses.
   if (hidden_size % 8 || hidden_ld % 8 || weight_ld % 8 || !aligned16(hidden) || !aligned16(weight)) return false;
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return major == 9 && minor == 0;  // sm_90a code runs on sm_90 only
+  return is_sm90(device);
 }
 
 size_t row_stats_product_workspace(const RowStatsProductArgs& args) {
@@ -238,8 +252,7 @@ size_t row_stats_product_workspace(const RowStatsProductArgs& args) {
   return (bytes + 255) / 256 * 256;
 }
 
-lmloss_status run_row_stats_product(const RowStatsProductArgs& args, void* workspace, size_t,
-                                    cudaStream_t stream) {
+lmloss_status run_row_stats_product(const RowStatsProductArgs& args, void* workspace, cudaStream_t stream) {
   switch (args.dtype) {
     case LMLOSS_BF16: return RowStatsGemm<cutlass::bfloat16_t>::run(args, workspace, stream);
     case LMLOSS_F16: return RowStatsGemm<cutlass::half_t>::run(args, workspace, stream);
