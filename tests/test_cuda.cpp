@@ -212,6 +212,50 @@ TEST_F(Cuda, ForwardStatisticsFromTheProductMatchReference) {
   }
 }
 
+// The fused forward+backward of the same heads: statistics from the product's epilogue, the
+// gradient formed from its 16-bit shifted logits. Against the reference at the same odd shapes
+// and options, gradients in f32 and in the inputs' dtype, one chunk and several (dW summed over
+// chunks); bitwise the same on a second run. The workspace shows the path: 2 bytes per logit of
+// the chunk where the cuBLASLt path holds 4.
+TEST_F(Cuda, FusedStepFromTheProductMatchesReference) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4013);
+  struct Shape {
+    int64_t n_tokens, vocab, hidden, row_padding;
+  };
+  for (const Shape shape : {Shape{1, 50021, 64, 0}, Shape{700, 1999, 136, 8}, Shape{300, 256, 64, 0},
+                            Shape{300, 257, 72, 0}}) {
+    for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
+      for (const char* name : {"plain", "smoothing_zloss_temperature", "none", "normalizer"}) {
+        for (const bool chunked : {false, true}) {
+          const lmloss_dtype grad_dtype = chunked ? dtype : LMLOSS_F32;
+          SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + name + " N " + std::to_string(shape.n_tokens) +
+                       " V " + std::to_string(shape.vocab) + " H " + std::to_string(shape.hidden) +
+                       (chunked ? " chunked, 16-bit gradients" : ""));
+          ProblemSpec spec{.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden};
+          LossSetup s = setup(dtype, grad_dtype);
+          s.row_padding = shape.row_padding;
+          s.label_dtype = LMLOSS_I64;
+          LossCase c(gen.problem(spec), options_named(name), s);
+          lmloss::Context ctx;
+          if (chunked) ctx.set_workspace_budget(budget_for_rows(std::max<int64_t>(shape.n_tokens / 3, 1), shape.vocab));
+          ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+          expect_matches_reference(c, Mode::forward_backward);
+          if (!chunked) {
+            const size_t logits_row = size_t((shape.vocab + 7) / 8 * 8);
+            EXPECT_LT(ctx.peak_workspace(), (size_t(32) << 20) + 3 * logits_row * size_t(shape.n_tokens))
+                << "2 bytes per logit, not the cuBLASLt path's 4";
+          }
+          const std::vector<double> first = c.output_values();
+          ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+          EXPECT_TRUE(bitwise_equal(first, c.output_values()));
+        }
+      }
+    }
+  }
+}
+
 TEST_F(Cuda, RunsAreBitwiseIdentical) {
   Generator gen(4003);
   for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {

@@ -10,9 +10,10 @@
 //   dX_chunk (rows, hidden) = G W / S                          cuBLASLt
 //   dW (vocab, hidden)     += G^T X_chunk / S                  cuBLASLt, beta 1 after the first chunk
 //   db (vocab)             += column sums of G / S, rows in order
-// A forward-only call of a 16-bit linear head without a teacher, bias or soft-capping, on an
+// A forward or fused call of a 16-bit linear head without a teacher, bias or soft-capping, on an
 // sm_90 device, takes each chunk's statistics in the product's epilogue instead
-// (row_stats_product.cuh): no logits chunk.
+// (row_stats_product.cuh): no logits chunk for a forward; for a fused call the product stores
+// the shifted logits in the inputs' dtype and the row kernel writes the gradient over them.
 // Nothing here waits for the device: the loss, lse and gradients stay where the caller pointed.
 #include <cuda_runtime.h>
 
@@ -255,7 +256,8 @@ struct LossPlan {
   int64_t grad_ld = 0;            // linear: row stride of the gradient chunk, in its elements
   lmloss_dtype grad_dtype = LMLOSS_F32;
   size_t matmul_ws = 0;
-  bool row_stats_product = false; // linear forward: statistics from the product (no logits chunk)
+  bool row_stats_product = false; // linear: statistics from the product; the logits chunk, if
+                                  // any, holds its shifted logits in the inputs' dtype
 };
 
 int64_t chunk_count(int64_t n, int64_t rows) { return rows > 0 ? (n + rows - 1) / rows : 0; }
@@ -328,23 +330,37 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   // The product's shape is 32-bit: chunks of at most 2^31 - 1 rows, and vocab and hidden below that.
   constexpr int64_t kProductDimLimit = std::numeric_limits<int32_t>::max();
   int64_t row_limit = call.n_tokens;
-  if (call.linear && !grads_computed(call) && !call.has_teacher() && !call.head.bias.data &&
-      !(call.options.softcap > 0) && call.vocab <= kProductDimLimit && call.hidden <= kProductDimLimit &&
+  const bool grads_formed = grads_computed(call);
+  if (call.linear && (!grads_formed || call.mode != core::Mode::backward) && !call.has_teacher() &&
+      !call.head.bias.data && !(call.options.softcap > 0) && call.vocab <= kProductDimLimit &&
+      call.hidden <= kProductDimLimit &&
       row_stats_product_supported(call.device_index, call.input_dtype, call.head.hidden.data,
                                   row_stride(call.head.hidden), call.head.weight.data,
                                   row_stride(call.head.weight), call.hidden)) {
-    // Per row: the column tiles' partials and s at the label, instead of the logits.
+    // Per row: the column tiles' partials and s at the label; the shifted logits (2 bytes each,
+    // the gradient later written over them) only if gradients are formed.
     p.row_stats_product = true;
-    pc[kLogitsChunk] = {};
-    pc[kMatmulWs] = {};
-    p.matmul_ws = 0;
+    if (grads_formed) {
+      p.grad_ld = p.logits_ld;
+      pc[kLogitsChunk] = {0, core::dtype_size(call.input_dtype) * size_t(p.logits_ld), 256};
+    } else {
+      pc[kLogitsChunk] = {};
+      pc[kMatmulWs] = {};
+      p.matmul_ws = 0;
+    }
     pc[kPartials] = {0, sizeof(float4) * size_t(row_stats_tiles(call.vocab)), 256};
     pc[kLabelS] = {0, sizeof(float), 16};
     row_limit = std::min(call.n_tokens, kProductDimLimit);
     pc[kProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
   }
   p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
-  if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32)
+  if (p.row_stats_product && grads_formed && p.chunk_rows >= 256) {
+    // Chunks evened out: a short last chunk's backward products run far below their rate.
+    const int64_t chunks = chunk_count(call.n_tokens, p.chunk_rows);
+    const int64_t even = (call.n_tokens + chunks - 1) / chunks;
+    p.chunk_rows = p.logits_rows = std::min(p.chunk_rows, (even + 127) / 128 * 128);
+  }
+  if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32 && !p.row_stats_product)
     if (std::optional<LossPlan> split = plan_separate_grad(context, call, p)) return *split;
   return p;
 }
@@ -468,7 +484,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   if (bias) LMLOSS_CHECK(launch_to_f32(call.head.bias.data, call.head.bias.dtype, call.vocab, bias, r.stream));
 
   LossRowsArgs a = row_args_common(call);
-  a.work = plan.row_stats_product             ? RowWork::stats_from_partials
+  a.work = plan.row_stats_product             ? (grads_computed(call) ? RowWork::stats_and_grad_from_partials
+                                                                       : RowWork::stats_from_partials)
            : !grads_computed(call)             ? RowWork::stats
            : call.mode == core::Mode::backward ? RowWork::grad_from_lse
                                                : RowWork::stats_and_grad;
@@ -514,39 +531,46 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       continue;
     }
 
+    const void* x_chunk = x + row0 * x_ld * in_size;
+    char* grad = static_cast<char*>(plan.separate_grad ? grad_chunk : logits_chunk);
     if (plan.row_stats_product) {
       RowStatsProductArgs product = row_stats_args(call, rows, row0);
       product.partial = partials;
       product.label_s = label_s;
+      if (forms_gradient(a.work)) {
+        product.shifted = logits_chunk;
+        product.shifted_ld = plan.logits_ld;
+        a.logits = a.grad = logits_chunk;
+        a.logits_ld = a.grad_ld = plan.logits_ld;
+        a.logits_dtype = a.grad_dtype = call.input_dtype;
+      }
       LMLOSS_CHECK(run_row_stats_product(product, piece(kProductWs), r.stream));
       LMLOSS_CHECK(launch_loss_rows(a, r.stream));
-      continue;
+      if (!forms_gradient(a.work)) continue;
+    } else {
+      // The chunk's logits, a logits chunk at a time (the whole chunk unless the gradient has its
+      // own buffer), each followed by its row kernel.
+      const size_t grad_size = core::dtype_size(plan.grad_dtype);
+      a.logits = logits_chunk;
+      a.logits_ld = plan.logits_ld;
+      a.logits_dtype = LMLOSS_F32;
+      if (a.work != RowWork::stats) {
+        a.grad_ld = plan.grad_ld;
+        a.grad_dtype = plan.grad_dtype;
+      }
+      for (int64_t sub0 = 0; sub0 < rows; sub0 += plan.logits_rows) {
+        const int64_t sub_rows = std::min(plan.logits_rows, rows - sub0);
+        const MatmulShape fwd = logits_product(call, sub_rows, plan.logits_ld, matmul_ws_bytes);
+        LMLOSS_CHECK(r.state.matmul.run(fwd, call.head.weight.data, x + (row0 + sub0) * x_ld * in_size,
+                                        logits_chunk, &scalars->one, &scalars->zero, matmul_ws, r.stream,
+                                        r.context.tune_products));
+        a.row0 = row0 + sub0;
+        a.rows = sub_rows;
+        if (a.work != RowWork::stats) a.grad = grad + sub0 * plan.grad_ld * grad_size;
+        LMLOSS_CHECK(launch_loss_rows(a, r.stream));
+      }
+      if (a.work == RowWork::stats) continue;
     }
-
-    // The chunk's logits, a logits chunk at a time (the whole chunk unless the gradient has its
-    // own buffer), each followed by its row kernel.
-    const void* x_chunk = x + row0 * x_ld * in_size;
-    char* grad = static_cast<char*>(plan.separate_grad ? grad_chunk : logits_chunk);
-    const size_t grad_size = core::dtype_size(plan.grad_dtype);
-    a.logits = logits_chunk;
-    a.logits_ld = plan.logits_ld;
-    a.logits_dtype = LMLOSS_F32;
-    if (a.work != RowWork::stats) {
-      a.grad_ld = plan.grad_ld;
-      a.grad_dtype = plan.grad_dtype;
-    }
-    for (int64_t sub0 = 0; sub0 < rows; sub0 += plan.logits_rows) {
-      const int64_t sub_rows = std::min(plan.logits_rows, rows - sub0);
-      const MatmulShape fwd = logits_product(call, sub_rows, plan.logits_ld, matmul_ws_bytes);
-      LMLOSS_CHECK(r.state.matmul.run(fwd, call.head.weight.data, x + (row0 + sub0) * x_ld * in_size,
-                                      logits_chunk, &scalars->one, &scalars->zero, matmul_ws, r.stream,
-                                      r.context.tune_products));
-      a.row0 = row0 + sub0;
-      a.rows = sub_rows;
-      if (a.work != RowWork::stats) a.grad = grad + sub0 * plan.grad_ld * grad_size;
-      LMLOSS_CHECK(launch_loss_rows(a, r.stream));
-    }
-    if (a.work == RowWork::stats) continue;
 
     const lmloss_dtype gtype = a.grad_dtype;
     if (g.grad_hidden.data) {

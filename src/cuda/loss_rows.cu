@@ -5,6 +5,8 @@
 
 #include <cmath>
 
+#include "cuda/row_stats_product.cuh"
+
 namespace lmloss::cuda {
 namespace {
 
@@ -147,7 +149,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     // the saved value.
     float lse;
     float sum_s = 0.f;
-    if (a.work == RowWork::stats_from_partials) {
+    if (stats_from_product(a.work)) {
       MaxSum acc{-INFINITY, 0.f};
       const float4* partial = a.partial + r * a.partial_ld;  // (partial_tiles)
       for (int64_t i = threadIdx.x; i < a.partial_tiles; i += blockDim.x) {
@@ -218,10 +220,20 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     const float p_coef = weights.p_coef(g, lse, teacher_mass);
     const float offset = weights.offset(g);
     __syncthreads();  // every sparse read above happens before the in-place writes below
-    write_row(z, dz, V, [&](int64_t j, float v) {
-      const float s = scale.apply(bias ? v + bias[j] : v);
-      return (p_coef * expf(s - lse) + offset) * scale.derivative(s);
-    });
+    if (stats_from_product(a.work)) {
+      // s = shifted + its tile's max: one partial read per 256 columns, from L1.
+      const float4* partial = a.partial + r * a.partial_ld;
+      const float ds_dz = scale.derivative(0.f);  // no soft-capping here: 1 / T
+      write_row(z, dz, V, [&](int64_t j, float v) {
+        const float s = v + __ldg(&partial[j / kRowStatsTileColumns].x);
+        return (p_coef * expf(s - lse) + offset) * ds_dz;
+      });
+    } else {
+      write_row(z, dz, V, [&](int64_t j, float v) {
+        const float s = scale.apply(bias ? v + bias[j] : v);
+        return (p_coef * expf(s - lse) + offset) * scale.derivative(s);
+      });
+    }
     __syncthreads();
 
     // Fix-ups: the label and each distinct teacher id get the dense value plus every correction

@@ -9,10 +9,11 @@
 //                into a separate buffer); the few sparse entries are fixed up after a barrier.
 //
 // So the fused forward+backward reads each logit twice and writes its gradient once; backward
-// from a saved lse reads it once. A forward whose product took the statistics in its epilogue
-// (row_stats_product.cuh) reads no logits at all: the row combines its column tiles' partials,
-// and s at the label comes from the product too. The arithmetic is core/row_math.hpp's, shared
-// with the CPU.
+// from a saved lse reads it once. Where the product took the statistics in its epilogue
+// (row_stats_product.cuh) the row combines its column tiles' partials instead of a stats pass,
+// and s at the label comes from the product too: a forward reads no logits at all, a fused
+// forward+backward reads the product's 16-bit shifted logits once and writes its gradient over
+// them. The arithmetic is core/row_math.hpp's, shared with the CPU.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,10 +26,16 @@
 
 namespace lmloss::cuda {
 
-enum class RowWork { stats, stats_and_grad, grad_from_lse, stats_from_partials };
+enum class RowWork { stats, stats_and_grad, grad_from_lse, stats_from_partials, stats_and_grad_from_partials };
 
 __host__ __device__ constexpr bool forms_gradient(RowWork work) {
-  return work == RowWork::stats_and_grad || work == RowWork::grad_from_lse;
+  return work == RowWork::stats_and_grad || work == RowWork::grad_from_lse ||
+         work == RowWork::stats_and_grad_from_partials;
+}
+
+// Whether the row's statistics come from the product's partials (row_stats_product.cuh).
+__host__ __device__ constexpr bool stats_from_product(RowWork work) {
+  return work == RowWork::stats_from_partials || work == RowWork::stats_and_grad_from_partials;
 }
 
 struct LossRowsArgs {
@@ -66,8 +73,10 @@ struct LossRowsArgs {
   int* error_flag = nullptr;
   float* sparse_s = nullptr;     // (rows, top_k + 1) scratch: s at the label, then the teacher ids
 
-  // stats_from_partials (no teacher, no gradient, no logits): per row, partial_tiles
-  // (max, sum exp(s - max), sum s) of column tiles, and s at the label.
+  // stats_from_partials and stats_and_grad_from_partials (no teacher, bias or soft-capping): per
+  // row, partial_tiles (max, sum exp(s - max), sum s) of column tiles, and s at the label. With
+  // the gradient, `logits` are the product's shifted logits s - (max s of their column tile), in
+  // bf16 or f16, and the gradient goes over them.
   const float4* partial = nullptr;  // (rows, partial_ld)
   int64_t partial_ld = 0;
   int64_t partial_tiles = 0;

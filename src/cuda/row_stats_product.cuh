@@ -1,13 +1,18 @@
 // The forward product with each row's softmax statistics taken in its epilogue (sm_90 only).
 //
-//   S = X W^T / T               (rows, vocab), never stored
+//   S = X W^T / T               (rows, vocab), in f32 accumulators
 //   partial[r, t] = (max_j s_rj, sum_j exp(s_rj - max), sum_j s_rj) over column tile t
 //   label_s[r]    = s_r,label[r]  (written by the one thread that holds that column)
+//   shifted[r, j] = s_rj - partial[r, j / kRowStatsTileColumns].x, in the inputs' dtype (optional)
 //
 // The logits of a forward-only call are needed for nothing but these, so they stay in the
 // product's f32 accumulators: no logits chunk is written or read back (a 4-byte write and read
 // per logit saved, and no workspace for them). The row kernel combines the partials
-// (RowWork::stats_from_partials). Heads with a bias or soft-capping keep the cuBLASLt path: their
+// (RowWork::stats_from_partials). A call that forms the gradient also has the product store the
+// shifted logits, 2 bytes each, for the row kernel's one gradient pass
+// (RowWork::stats_and_grad_from_partials): the statistics stay exact, and since s - max is near 0
+// where the softmax is large, its 16-bit rounding costs the gradient least where it matters (a
+// bf16 logit of 20 is off by up to 0.04, a shifted one of -0.5 by 0.001). Heads with a bias or soft-capping keep the cuBLASLt path: their
 // per-logit work belongs in the memory-bound row kernel, not between the product's main loops.
 // Built with CUTLASS for sm_90a when its headers were found at configure time
 // (LMLOSS_ROW_STATS_PRODUCT); elsewhere row_stats_product_supported() is false and the loss takes
@@ -44,6 +49,8 @@ struct RowStatsProductArgs {
   float4* partial = nullptr;         // (rows, partial_ld >= row_stats_tiles(vocab)); .w unused
   int64_t partial_ld = 0;
   float* label_s = nullptr;          // (rows)
+  void* shifted = nullptr;           // (rows, shifted_ld) of dtype, optional; shifted_ld even
+  int64_t shifted_ld = 0;
 };
 
 // Whether this build has the product and `device` runs it, for these operands (16-bit, rows and

@@ -6,7 +6,8 @@
 // sharing each W tile. In a WGMMA accumulator fragment a thread holds two rows (r and r + 8 of
 // its warp's 16) and, for each, 64 of the tile's 256 columns; the four threads of a quad hold
 // one row's 256 columns together. So a tile row's (max, sum exp) needs two shuffles and no shared
-// memory, and exactly one lane writes it: the partials are deterministic.
+// memory, and exactly one lane writes it: the partials are deterministic. A thread's two adjacent
+// columns of a row make one 4-byte store of the shifted logits.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -30,6 +31,7 @@ namespace {
 
 using namespace cute;
 
+template <typename Element>
 struct RowStatsOut {
   float inv_temperature;
   const void* labels;              // (n_tokens) or null
@@ -38,10 +40,14 @@ struct RowStatsOut {
   float4* partial;                 // (rows, partial_ld)
   int64_t partial_ld;
   float* label_s;                  // (rows)
+  Element* shifted;                // (rows, shifted_ld) or null
+  int64_t shifted_ld;
 };
 
 // A collective epilogue in the interface of CUTLASS's register-only ones (wrapped for the sm_90
-// kernels by Sm90TmaWarpSpecializedAdapter): it stores nothing of the tile but its statistics.
+// kernels by Sm90TmaWarpSpecializedAdapter): it stores the tile's statistics and, if asked, its
+// shifted logits.
+template <typename Element>
 class RowStatsEpilogue {
  public:
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
@@ -59,8 +65,8 @@ class RowStatsEpilogue {
   using GmemTiledCopyD = void;
   struct SharedStorage {};
   using TensorStorage = SharedStorage;
-  using Arguments = RowStatsOut;
-  using Params = RowStatsOut;
+  using Arguments = RowStatsOut<Element>;
+  using Params = RowStatsOut<Element>;
 
   template <class ProblemShape>
   static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
@@ -150,6 +156,25 @@ class RowStatsEpilogue {
         row_sum[k] += exp2f((z(i) - row_max[k]) * to_log2);
         row_sum_s[k] += z(i);
       }
+      if (!params_.shifted) return;
+      // Fragment elements i and i + 1 (i even) are columns c and c + 1 of one row.
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(z); i += 2) {
+        const int row = get<0>(thread_coords(i));
+        const int col = get<1>(thread_coords(i));
+        const int k = slot_of(i);
+        if (row >= rows || !in_vocab(col)) continue;
+        Element* out = params_.shifted + int64_t(row) * params_.shifted_ld + col;
+        const Element first((z(i) - row_max[k]) * inv_t);
+        if (in_vocab(col + 1)) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = first;
+          pair[1] = Element((z(i + 1) - row_max[k]) * inv_t);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(out) = pair;
+        } else {
+          *out = first;
+        }
+      }
     };
     if ((n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) statistics(cute::false_type{});
     else statistics(cute::true_type{});
@@ -179,7 +204,7 @@ template <typename Element>
 struct RowStatsGemm {
   using TileShape = Shape<_128, _256, _64>;
   using ClusterShape = Shape<_2, _1, _1>;
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<Element>>;
   // A = X (rows, hidden) row-major; B = W (vocab, hidden): K-major, CUTLASS's column-major B.
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8, Element,
@@ -192,7 +217,9 @@ struct RowStatsGemm {
   static_assert(size<1>(TileShape{}) == kRowStatsTileColumns, "one partial per column tile");
 
   static typename Device::Arguments arguments(const RowStatsProductArgs& a) {
-    const RowStatsOut out{a.inv_temperature, a.labels, a.labels_dtype, a.row0, a.partial, a.partial_ld, a.label_s};
+    const RowStatsOut<Element> out{a.inv_temperature, a.labels,   a.labels_dtype,
+                                   a.row0,            a.partial,  a.partial_ld,
+                                   a.label_s,         static_cast<Element*>(a.shifted), a.shifted_ld};
     return {cutlass::gemm::GemmUniversalMode::kGemm,
             {int(a.rows), int(a.vocab), int(a.hidden_size), 1},
             {static_cast<const Element*>(a.hidden), {a.hidden_ld, Int<1>{}, int64_t(0)},
