@@ -17,6 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+# Peers' rows by their method name in bench/peers.py; lmloss there is the PyTorch layer.
+NAMES = {"lmloss": "lmloss.torch, 1 GiB budget"}
 GRADS_GIB = {"llama3-8b": (8192 * 4096 + 128256 * 4096) * 2 / 2**30}  # bf16 dX and dW
 
 
@@ -34,7 +36,7 @@ def main(modes_path, peers_path, out_path, preset="llama3-8b"):
     for i, r in enumerate(p for p in peers["rows"] if p["preset"] == preset and p["mode"] == "fwd_bwd"):
         extra = max(r["peak_gib"] - GRADS_GIB[preset], 0.01)
         ax.plot([extra], [r["ms"] / r["floor_ms"]], markers.get(r["method"], "o"), color=f"C{i + 1}",
-                label=f"{r['method']} ({r['ms']:.1f} ms)")
+                label=f"{NAMES.get(r['method'], r['method'])} ({r['ms']:.1f} ms)")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_xlabel("peak memory beyond inputs and gradients (GiB, log scale)")
