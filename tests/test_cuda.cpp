@@ -212,6 +212,14 @@ TEST_F(Cuda, ForwardStatisticsFromTheProductMatchReference) {
   }
 }
 
+// The most workspace a fused call on the statistics product's path holds in one chunk: the
+// products' 32 MiB, 2 bytes per logit (rounded up to the midpoint of 3, where the cuBLASLt path
+// holds 4), the teacher's scratch, and 64 bytes a row for the partials and the rest.
+size_t product_path_workspace_bound(int64_t n_tokens, int64_t vocab, int64_t top_k) {
+  const size_t logits_row = size_t((vocab + 7) / 8 * 8);
+  return (size_t(32) << 20) + size_t(n_tokens) * (3 * logits_row + 4 * size_t(top_k + 1) + 64);
+}
+
 // The fused forward+backward of the same heads: statistics from the product's epilogue, the
 // gradient formed from its 16-bit shifted logits. Against the reference at the same odd shapes
 // and options, gradients in f32 and in the inputs' dtype, one chunk and several (dW summed over
@@ -242,14 +250,49 @@ TEST_F(Cuda, FusedStepFromTheProductMatchesReference) {
           if (chunked) ctx.set_workspace_budget(budget_for_rows(std::max<int64_t>(shape.n_tokens / 3, 1), shape.vocab));
           ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
           expect_matches_reference(c, Mode::forward_backward);
-          if (!chunked) {
-            const size_t logits_row = size_t((shape.vocab + 7) / 8 * 8);
-            EXPECT_LT(ctx.peak_workspace(), (size_t(32) << 20) + 3 * logits_row * size_t(shape.n_tokens))
-                << "2 bytes per logit, not the cuBLASLt path's 4";
-          }
+          if (!chunked) EXPECT_LT(ctx.peak_workspace(), product_path_workspace_bound(shape.n_tokens, shape.vocab, 0));
           const std::vector<double> first = c.output_values();
           ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
           EXPECT_TRUE(bitwise_equal(first, c.output_values()));
+        }
+      }
+    }
+  }
+}
+
+// Distillation on the same path: s at the teacher's ids comes from the product's shifted logits.
+// Teachers of 1, 16 and V entries (with V, every id and so the label too), cross-entropy mixed
+// in, one chunk and several, bitwise on a second run; a forward with a teacher keeps the cuBLASLt
+// path (it has no shifted logits to read).
+TEST_F(Cuda, DistillationFromTheProductMatchesReference) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4014);
+  struct Shape {
+    int64_t n_tokens, vocab, hidden, top_k;
+  };
+  for (const Shape shape : {Shape{1, 50021, 64, 16}, Shape{700, 1999, 136, 16}, Shape{300, 257, 72, 257},
+                            Shape{300, 256, 64, 1}}) {
+    for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
+      for (const bool chunked : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(dtype)) + " N " + std::to_string(shape.n_tokens) + " V " +
+                     std::to_string(shape.vocab) + " k " + std::to_string(shape.top_k) + (chunked ? " chunked" : ""));
+        ProblemSpec spec{.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden, .top_k = shape.top_k};
+        LossCase c(gen.problem(spec), options_named("distill_mixed"), setup(dtype, chunked ? dtype : LMLOSS_F32));
+        lmloss::Context ctx;
+        if (chunked) ctx.set_workspace_budget(budget_for_rows(std::max<int64_t>(shape.n_tokens / 3, 1), shape.vocab));
+        ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        expect_matches_reference(c, Mode::forward_backward);
+        if (!chunked)
+          EXPECT_LT(ctx.peak_workspace(), product_path_workspace_bound(shape.n_tokens, shape.vocab, shape.top_k));
+        const std::vector<double> first = c.output_values();
+        ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        EXPECT_TRUE(bitwise_equal(first, c.output_values()));
+        if (!chunked) {
+          lmloss::Context forward_ctx;
+          ASSERT_EQ(c.forward(forward_ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+          expect_matches_reference(c, Mode::forward);
+          EXPECT_GT(forward_ctx.peak_workspace(), size_t(32) << 20) << "a forward with a teacher keeps the cuBLASLt path";
         }
       }
     }

@@ -10,10 +10,11 @@
 //   dX_chunk (rows, hidden) = G W / S                          cuBLASLt
 //   dW (vocab, hidden)     += G^T X_chunk / S                  cuBLASLt, beta 1 after the first chunk
 //   db (vocab)             += column sums of G / S, rows in order
-// A forward or fused call of a 16-bit linear head without a teacher, bias or soft-capping, on an
-// sm_90 device, takes each chunk's statistics in the product's epilogue instead
-// (row_stats_product.cuh): no logits chunk for a forward; for a fused call the product stores
-// the shifted logits in the inputs' dtype and the row kernel writes the gradient over them.
+// A forward (without a teacher) or fused call of a 16-bit linear head without bias or
+// soft-capping, on an sm_90 device, takes each chunk's statistics in the product's epilogue
+// instead (row_stats_product.cuh): no logits chunk for a forward; for a fused call the product
+// stores the shifted logits in the inputs' dtype, the row kernel reads s at the teacher ids from
+// them and writes the gradient over them.
 // Nothing here waits for the device: the loss, lse and gradients stay where the caller pointed.
 #include <cuda_runtime.h>
 
@@ -331,7 +332,8 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   constexpr int64_t kProductDimLimit = std::numeric_limits<int32_t>::max();
   int64_t row_limit = call.n_tokens;
   const bool grads_formed = grads_computed(call);
-  if (call.linear && (!grads_formed || call.mode != core::Mode::backward) && !call.has_teacher() &&
+  // A teacher's s values come from the shifted logits, so a teacher needs the gradient's path.
+  if (call.linear && (!grads_formed || call.mode != core::Mode::backward) && (!call.has_teacher() || grads_formed) &&
       !call.head.bias.data && !(call.options.softcap > 0) && call.vocab <= kProductDimLimit &&
       call.hidden <= kProductDimLimit &&
       row_stats_product_supported(call.device_index, call.input_dtype, call.head.hidden.data,

@@ -190,7 +190,10 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     if (K > 0) {
       for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
         const int64_t id = load_id(a.teacher_ids, a.teacher_ids_dtype, t * a.teacher_ids_ld + k);
-        const float s = scale.apply(bias ? to_float(z[id]) + bias[id] : to_float(z[id]));
+        // On the product's path z holds s - (its tile's max s), the max in the row's partials.
+        const float s = stats_from_product(a.work)
+                            ? to_float(z[id]) + __ldg(&a.partial[r * a.partial_ld + id / kRowStatsTileColumns].x)
+                            : scale.apply(bias ? to_float(z[id]) + bias[id] : to_float(z[id]));
         const float p = a.teacher_probs[t * a.teacher_probs_ld + k];
         sparse[1 + k] = s;
         teacher_cross += core::xlogx(p) - p * s;

@@ -73,10 +73,10 @@ struct LossRowsArgs {
   int* error_flag = nullptr;
   float* sparse_s = nullptr;     // (rows, top_k + 1) scratch: s at the label, then the teacher ids
 
-  // stats_from_partials and stats_and_grad_from_partials (no teacher, bias or soft-capping): per
-  // row, partial_tiles (max, sum exp(s - max), sum s) of column tiles, and s at the label. With
-  // the gradient, `logits` are the product's shifted logits s - (max s of their column tile), in
-  // bf16 or f16, and the gradient goes over them.
+  // stats_from_partials (no teacher) and stats_and_grad_from_partials, no bias or soft-capping:
+  // per row, partial_tiles (max, sum exp(s - max), sum s) of column tiles, and s at the label.
+  // With the gradient, `logits` are the product's shifted logits s - (max s of their column
+  // tile), in bf16 or f16: s at the teacher ids is read from them, and the gradient goes over them.
   const float4* partial = nullptr;  // (rows, partial_ld)
   int64_t partial_ld = 0;
   int64_t partial_tiles = 0;

@@ -10,10 +10,12 @@
 // per logit saved, and no workspace for them). The row kernel combines the partials
 // (RowWork::stats_from_partials). A call that forms the gradient also has the product store the
 // shifted logits, 2 bytes each, for the row kernel's one gradient pass
-// (RowWork::stats_and_grad_from_partials): the statistics stay exact, and since s - max is near 0
-// where the softmax is large, its 16-bit rounding costs the gradient least where it matters (a
-// bf16 logit of 20 is off by up to 0.04, a shifted one of -0.5 by 0.001). Heads with a bias or soft-capping keep the cuBLASLt path: their
-// per-logit work belongs in the memory-bound row kernel, not between the product's main loops.
+// (RowWork::stats_and_grad_from_partials), which also reads s at a teacher's ids from them: the
+// statistics (lse, s at the label) stay exact, and since s - max is near 0 where the softmax is
+// large, its 16-bit rounding costs the gradient least where it matters (a bf16 logit of 20 is
+// off by up to 0.04, a shifted one of -0.5 by 0.001). Heads with a bias or soft-capping keep the
+// cuBLASLt path: their per-logit work belongs in the memory-bound row kernel, not between the
+// product's main loops.
 // Built with CUTLASS for sm_90a when its headers were found at configure time
 // (LMLOSS_ROW_STATS_PRODUCT); elsewhere row_stats_product_supported() is false and the loss takes
 // the cuBLASLt path.
