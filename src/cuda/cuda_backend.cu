@@ -332,10 +332,11 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   constexpr int64_t kProductDimLimit = std::numeric_limits<int32_t>::max();
   int64_t row_limit = call.n_tokens;
   const bool grads_formed = grads_computed(call);
-  // A teacher's s values come from the shifted logits, so a teacher needs the gradient's path.
-  if (call.linear && (!grads_formed || call.mode != core::Mode::backward) && (!call.has_teacher() || grads_formed) &&
-      !call.head.bias.data && !(call.options.softcap > 0) && call.vocab <= kProductDimLimit &&
-      call.hidden <= kProductDimLimit &&
+  // Statistics from the product: a fused step (a backward reads its logits with a saved lse), or
+  // a forward without a teacher (whose s values come from the shifted logits a fused step stores).
+  const bool product_work = grads_formed ? call.mode != core::Mode::backward : !call.has_teacher();
+  if (call.linear && product_work && !call.head.bias.data && !(call.options.softcap > 0) &&
+      call.vocab <= kProductDimLimit && call.hidden <= kProductDimLimit &&
       row_stats_product_supported(call.device_index, call.input_dtype, call.head.hidden.data,
                                   row_stride(call.head.hidden), call.head.weight.data,
                                   row_stride(call.head.weight), call.hidden)) {
