@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -29,6 +30,25 @@ class Cuda : public ::testing::Test {
   }
   // A budget that holds about `rows` rows of a linear problem's chunk.
   static size_t budget_for_rows(int64_t rows, int64_t vocab) { return 64 * 1024 + size_t(rows) * vocab * 6; }
+
+  // The statistics product's tests: one token; a vocabulary of exactly one column tile, and of
+  // one more; 50021; strided rows in one shape. Labels are i64.
+  struct ProductShape {
+    int64_t n_tokens, vocab, hidden, row_padding;
+  };
+  static constexpr ProductShape kProductShapes[] = {
+      {1, 50021, 64, 0}, {700, 1999, 136, 8}, {300, 256, 64, 0}, {300, 257, 72, 0}};
+  static constexpr const char* kProductOptions[] = {"plain", "smoothing_zloss_temperature", "none", "normalizer"};
+  static LossSetup product_setup(lmloss_dtype dtype, lmloss_dtype grad_dtype, const ProductShape& shape) {
+    LossSetup s = setup(dtype, grad_dtype);
+    s.row_padding = shape.row_padding;
+    s.label_dtype = LMLOSS_I64;
+    return s;
+  }
+  static std::string product_trace(lmloss_dtype dtype, const char* name, const ProductShape& shape) {
+    return std::string(dtype_name(dtype)) + " " + name + " N " + std::to_string(shape.n_tokens) + " V " +
+           std::to_string(shape.vocab) + " H " + std::to_string(shape.hidden);
+  }
 };
 
 lmloss_loss_options options_named(const std::string& name) {
@@ -178,20 +198,12 @@ TEST_F(Cuda, ForwardStatisticsFromTheProductMatchReference) {
   if (!statistics_product_expected())
     GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
   Generator gen(4012);
-  struct Shape {
-    int64_t n_tokens, vocab, hidden, row_padding;
-  };
-  for (const Shape shape : {Shape{1, 50021, 64, 0}, Shape{700, 1999, 136, 8}, Shape{300, 256, 64, 0},
-                            Shape{300, 257, 72, 0}}) {
+  for (const ProductShape& shape : kProductShapes) {
     for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
-      for (const char* name : {"plain", "smoothing_zloss_temperature", "none", "normalizer"}) {
-        SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + name + " N " + std::to_string(shape.n_tokens) +
-                     " V " + std::to_string(shape.vocab) + " H " + std::to_string(shape.hidden));
+      for (const char* name : kProductOptions) {
+        SCOPED_TRACE(product_trace(dtype, name, shape));
         ProblemSpec spec{.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden};
-        LossSetup s = setup(dtype, LMLOSS_F32);
-        s.row_padding = shape.row_padding;
-        s.label_dtype = LMLOSS_I64;
-        LossCase c(gen.problem(spec), options_named(name), s);
+        LossCase c(gen.problem(spec), options_named(name), product_setup(dtype, LMLOSS_F32, shape));
         lmloss::Context ctx;
         ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
         expect_matches_reference(c, Mode::forward);
@@ -229,23 +241,14 @@ TEST_F(Cuda, FusedStepFromTheProductMatchesReference) {
   if (!statistics_product_expected())
     GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
   Generator gen(4013);
-  struct Shape {
-    int64_t n_tokens, vocab, hidden, row_padding;
-  };
-  for (const Shape shape : {Shape{1, 50021, 64, 0}, Shape{700, 1999, 136, 8}, Shape{300, 256, 64, 0},
-                            Shape{300, 257, 72, 0}}) {
+  for (const ProductShape& shape : kProductShapes) {
     for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
-      for (const char* name : {"plain", "smoothing_zloss_temperature", "none", "normalizer"}) {
+      for (const char* name : kProductOptions) {
         for (const bool chunked : {false, true}) {
           const lmloss_dtype grad_dtype = chunked ? dtype : LMLOSS_F32;
-          SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + name + " N " + std::to_string(shape.n_tokens) +
-                       " V " + std::to_string(shape.vocab) + " H " + std::to_string(shape.hidden) +
-                       (chunked ? " chunked, 16-bit gradients" : ""));
+          SCOPED_TRACE(product_trace(dtype, name, shape) + (chunked ? " chunked, 16-bit gradients" : ""));
           ProblemSpec spec{.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden};
-          LossSetup s = setup(dtype, grad_dtype);
-          s.row_padding = shape.row_padding;
-          s.label_dtype = LMLOSS_I64;
-          LossCase c(gen.problem(spec), options_named(name), s);
+          LossCase c(gen.problem(spec), options_named(name), product_setup(dtype, grad_dtype, shape));
           lmloss::Context ctx;
           if (chunked) ctx.set_workspace_budget(budget_for_rows(std::max<int64_t>(shape.n_tokens / 3, 1), shape.vocab));
           ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
