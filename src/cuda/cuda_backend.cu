@@ -263,6 +263,14 @@ struct LossPlan {
 
 int64_t chunk_count(int64_t n, int64_t rows) { return rows > 0 ? (n + rows - 1) / rows : 0; }
 
+// Chunks of at most `rows` evened out over n tokens (a multiple of 128 rows): a short last
+// chunk's backward products run far below their rate. Heights under 256 are left as they are.
+int64_t evened_chunk_rows(int64_t n, int64_t rows) {
+  const int64_t chunks = chunk_count(n, rows);
+  const int64_t even = chunks > 0 ? (n + chunks - 1) / chunks : 0;
+  return even >= 256 ? std::min(rows, (even + 127) / 128 * 128) : rows;
+}
+
 // The other layout for 16-bit gradients: a dense gradient chunk of 2 bytes per logit, filled by
 // several smaller f32 logits chunks in turn. The backward products then run over more rows at once
 // for the same budget, and each chunk beyond the first re-reads and re-writes the f32 dW (V H 4
@@ -290,9 +298,7 @@ std::optional<LossPlan> plan_separate_grad(const lmloss_context& context, const 
     if (rows < logits_rows) continue;
     const int64_t chunks = chunk_count(n, rows);
     if (chunks >= in_place_chunks) continue;
-    p.chunk_rows = rows;
-    const int64_t even = (n + chunks - 1) / chunks;
-    if (even >= 256) p.chunk_rows = std::min(rows, (even + 127) / 128 * 128);
+    p.chunk_rows = evened_chunk_rows(n, rows);
     p.logits_rows = logits_rows;
     for (int64_t grown = p.chunk_rows / 128 * 128; grown > logits_rows; grown -= 128) {
       pc[kLogitsChunk].fixed = grown * logits_row;
@@ -357,12 +363,8 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     pc[kProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
   }
   p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
-  if (p.row_stats_product && grads_formed && p.chunk_rows >= 256) {
-    // Chunks evened out: a short last chunk's backward products run far below their rate.
-    const int64_t chunks = chunk_count(call.n_tokens, p.chunk_rows);
-    const int64_t even = (call.n_tokens + chunks - 1) / chunks;
-    p.chunk_rows = p.logits_rows = std::min(p.chunk_rows, (even + 127) / 128 * 128);
-  }
+  if (p.row_stats_product && grads_formed)
+    p.chunk_rows = p.logits_rows = evened_chunk_rows(call.n_tokens, p.chunk_rows);
   if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32 && !p.row_stats_product)
     if (std::optional<LossPlan> split = plan_separate_grad(context, call, p)) return *split;
   return p;
@@ -492,12 +494,17 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
            : !grads_computed(call)             ? RowWork::stats
            : call.mode == core::Mode::backward ? RowWork::grad_from_lse
                                                : RowWork::stats_and_grad;
-  if (plan.row_stats_product) {  // every chunk's partials land in the same pieces
-    a.logits_dtype = LMLOSS_F32;
+  if (plan.row_stats_product) {  // every chunk lands in the same pieces
     a.partial = partials;
     a.partial_ld = row_stats_tiles(call.vocab);
     a.partial_tiles = a.partial_ld;
     a.label_s = label_s;
+    a.logits_dtype = LMLOSS_F32;  // a forward reads no logits
+    if (forms_gradient(a.work)) {  // the shifted logits, the gradient written over them
+      a.logits = a.grad = logits_chunk;
+      a.logits_ld = a.grad_ld = plan.logits_ld;
+      a.logits_dtype = a.grad_dtype = call.input_dtype;
+    }
   }
   a.token_loss = loss_wanted ? token_loss : nullptr;
   a.lse_out = call.mode != core::Mode::backward ? static_cast<float*>(call.lse.data) : nullptr;
@@ -543,9 +550,6 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       if (forms_gradient(a.work)) {
         product.shifted = logits_chunk;
         product.shifted_ld = plan.logits_ld;
-        a.logits = a.grad = logits_chunk;
-        a.logits_ld = a.grad_ld = plan.logits_ld;
-        a.logits_dtype = a.grad_dtype = call.input_dtype;
       }
       LMLOSS_CHECK(run_row_stats_product(product, piece(kProductWs), r.stream));
       LMLOSS_CHECK(launch_loss_rows(a, r.stream));
