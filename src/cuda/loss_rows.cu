@@ -121,6 +121,10 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     const TIn* z = static_cast<const TIn*>(a.logits) + r * a.logits_ld;  // (vocab)
     TOut* dz = wants_grad ? static_cast<TOut*>(a.grad) + r * a.grad_ld : nullptr;
     float* sparse = a.sparse_s + r * sparse_ld;  // (top_k + 1)
+    // The product's path: the row's column-tile partials, and s of a shifted logit at column j
+    // (the logit plus its tile's max s).
+    const float4* partial = stats_from_product(a.work) ? a.partial + r * a.partial_ld : nullptr;  // (partial_tiles)
+    auto unshift = [&](int64_t j, float shifted) { return shifted + __ldg(&partial[j / kRowStatsTileColumns].x); };
 
     // Which ids the row has, and whether any is out of range (then: NaN loss, zero gradient).
     const bool has_label = a.labels != nullptr;
@@ -151,7 +155,6 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     float sum_s = 0.f;
     if (stats_from_product(a.work)) {
       MaxSum acc{-INFINITY, 0.f};
-      const float4* partial = a.partial + r * a.partial_ld;  // (partial_tiles)
       for (int64_t i = threadIdx.x; i < a.partial_tiles; i += blockDim.x) {
         const float4 p = partial[i];
         acc = merge(acc, MaxSum{p.x, p.y});
@@ -190,10 +193,8 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     if (K > 0) {
       for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
         const int64_t id = load_id(a.teacher_ids, a.teacher_ids_dtype, t * a.teacher_ids_ld + k);
-        // On the product's path z holds s - (its tile's max s), the max in the row's partials.
-        const float s = stats_from_product(a.work)
-                            ? to_float(z[id]) + __ldg(&a.partial[r * a.partial_ld + id / kRowStatsTileColumns].x)
-                            : scale.apply(bias ? to_float(z[id]) + bias[id] : to_float(z[id]));
+        const float s = partial ? unshift(id, to_float(z[id]))
+                                : scale.apply(bias ? to_float(z[id]) + bias[id] : to_float(z[id]));
         const float p = a.teacher_probs[t * a.teacher_probs_ld + k];
         sparse[1 + k] = s;
         teacher_cross += core::xlogx(p) - p * s;
@@ -223,13 +224,10 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     const float p_coef = weights.p_coef(g, lse, teacher_mass);
     const float offset = weights.offset(g);
     __syncthreads();  // every sparse read above happens before the in-place writes below
-    if (stats_from_product(a.work)) {
-      // s = shifted + its tile's max: one partial read per 256 columns, from L1.
-      const float4* partial = a.partial + r * a.partial_ld;
+    if (partial) {
       const float ds_dz = scale.derivative(0.f);  // no soft-capping here: 1 / T
       write_row(z, dz, V, [&](int64_t j, float v) {
-        const float s = v + __ldg(&partial[j / kRowStatsTileColumns].x);
-        return (p_coef * expf(s - lse) + offset) * ds_dz;
+        return (p_coef * expf(unshift(j, v) - lse) + offset) * ds_dz;
       });
     } else {
       write_row(z, dz, V, [&](int64_t j, float v) {

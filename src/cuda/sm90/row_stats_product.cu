@@ -181,11 +181,11 @@ class RowStatsEpilogue {
           const int k = slot_of(i);
           if (row >= rows || !in_vocab(col)) continue;
           Element* out = params_.shifted + int64_t(row) * params_.shifted_ld + col;
-          const Element first((z(i) - row_max[k]) * inv_t);
+          const Element first = shifted(z(i), row_max[k]);
           if (in_vocab(col + 1)) {
             cutlass::Array<Element, 2> pair;
             pair[0] = first;
-            pair[1] = Element((z(i + 1) - row_max[k]) * inv_t);
+            pair[1] = shifted(z(i + 1), row_max[k]);
             *reinterpret_cast<cutlass::Array<Element, 2>*>(out) = pair;
           } else {
             *out = first;
@@ -214,6 +214,11 @@ class RowStatsEpilogue {
   }
 
  private:
+  // The shifted logit s - max s of a logit z whose row's tile max is max_z: (z - max_z) / T.
+  CUTLASS_DEVICE Element shifted(float z, float max_z) const {
+    return Element((z - max_z) * params_.inv_temperature);
+  }
+
   // Which of the thread's rows accumulator element i belongs to.
   template <class AccLayout>
   CUTLASS_DEVICE static constexpr int row_slot(int i) {
@@ -230,7 +235,6 @@ class RowStatsEpilogue {
     const int row0 = m_tile * kTileRows;
     const int col0 = n_tile * int(kRowStatsTileColumns);
     const int warp = thread_idx / 32, lane = thread_idx % 32;
-    const float inv_t = params_.inv_temperature;
     // This thread's first column; the others are fixed offsets from it.
     const int first_col = get<1>(thread_coords(0));
     CUTLASS_PRAGMA_UNROLL
@@ -241,8 +245,8 @@ class RowStatsEpilogue {
         if (offset / kStageColumns != half) continue;
         const int k = slot_of(i);
         cutlass::Array<Element, 2> pair;
-        pair[0] = Element((z(i) - row_max[k]) * inv_t);
-        pair[1] = Element((z(i + 1) - row_max[k]) * inv_t);
+        pair[0] = shifted(z(i), row_max[k]);
+        pair[1] = shifted(z(i + 1), row_max[k]);
         const int r = get<0>(thread_coords(i)) - row0;
         const int c = first_col - col0 + offset - half * kStageColumns;
         *reinterpret_cast<cutlass::Array<Element, 2>*>(&stage[r * kStageLd + c]) = pair;
