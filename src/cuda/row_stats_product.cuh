@@ -31,7 +31,7 @@
 namespace lmloss::cuda {
 
 // Columns per partial: the product's tile width.
-constexpr int64_t kRowStatsTileColumns = 256;
+constexpr int64_t kRowStatsTileColumns = 128;
 
 inline int64_t row_stats_tiles(int64_t vocab) {
   return (vocab + kRowStatsTileColumns - 1) / kRowStatsTileColumns;

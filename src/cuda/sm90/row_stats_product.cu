@@ -2,19 +2,23 @@
 // with CUTLASS for sm_90a: its warp-specialised TMA/WGMMA main loop, persistent tile scheduler
 // and device adapter, and an epilogue of our own that reads the f32 accumulators in registers.
 //
-// Tile 128 x 256 x 64, two consumer warpgroups (64 rows each), clusters of 2 along the rows
-// sharing each W tile. In a WGMMA accumulator fragment a thread holds two rows (r and r + 8 of
-// its warp's 16) and, for each, 64 of the tile's 256 columns; the four threads of a quad hold
-// one row's 256 columns together. So a tile row's (max, sum exp) needs two shuffles and no shared
-// memory, and exactly one lane writes it: the partials are deterministic.
+// Tile 128 x 128 x 64 in CUTLASS's ping-pong schedule: two consumer warpgroups each own a whole
+// tile and take turns, so one's epilogue runs under the other's main loop (measured on an H200,
+// against the cooperative 128 x 256 kernel where both warpgroups stop for the epilogue: the
+// product 12% faster at fixed clocks, at or below cuBLASLt's plain product in the forward).
+// Clusters of 2 along the rows share each W tile. In a WGMMA accumulator fragment a thread holds
+// four rows (r and r + 8 of its warp's 16 in each of the tile's two 64-row halves) and, for each,
+// 32 of the tile's 128 columns; the four threads of a quad hold one row's 128 columns together.
+// So a tile row's (max, sum exp) needs two shuffles and no shared memory, and exactly one lane
+// writes it: the partials are deterministic.
 //
-// The shifted logits go out through shared memory: each warp holds 16 whole rows of the tile, so
-// it stages them alone, 128 columns at a time (conflict-free 4-byte writes into rows padded to
-// 272 bytes), and 16 of its lanes each send one row to global memory as a 256-byte bulk copy.
-// Stored straight from the registers they were 4-byte writes scattered over 8 rows per
-// instruction (measured on an H200: 15% slower at 1000 x 50021 x 1024, outputs bitwise the same).
-// The ragged last column tile keeps the direct stores. Each warp's rows being its own is the
-// cooperative kernel's layout: two consumer warpgroups of 64 rows, four warps of 16 in each.
+// The shifted logits go out through shared memory: each warp holds 32 whole rows of the tile (16
+// in each half), so it stages them alone (conflict-free 4-byte writes into rows padded to 272
+// bytes), and each lane sends one row to global memory as a 256-byte bulk copy. The two
+// warpgroups' epilogues run one after the other, so they share the stage. Stored straight from
+// the registers they were 4-byte writes scattered over 8 rows per instruction (measured on an
+// H200: 15% slower at 1000 x 50021 x 1024, outputs bitwise the same). The ragged last column tile
+// keeps the direct stores.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -72,7 +76,7 @@ class RowStatsEpilogue {
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
   static constexpr int kTileRows = 128;
-  static constexpr int kStageColumns = 128;                 // half a tile's columns at a time
+  static constexpr int kStageColumns = 128;                 // columns staged at a time
   static constexpr int kStageLd = kStageColumns + 8;        // 272-byte rows: 16-byte aligned, no bank conflicts
   struct SharedStorage {
     alignas(128) Element stage[kTileRows * kStageLd];
@@ -238,29 +242,32 @@ class RowStatsEpilogue {
     // This thread's first column; the others are fixed offsets from it.
     const int first_col = get<1>(thread_coords(0));
     CUTLASS_PRAGMA_UNROLL
-    for (int half = 0; half < int(kRowStatsTileColumns) / kStageColumns; ++half) {
+    for (int part = 0; part < int(kRowStatsTileColumns) / kStageColumns; ++part) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(z); i += 2) {
         const int offset = get<1>(thread_coords(i)) - first_col;
-        if (offset / kStageColumns != half) continue;
+        if (offset / kStageColumns != part) continue;
         const int k = slot_of(i);
         cutlass::Array<Element, 2> pair;
         pair[0] = shifted(z(i), row_max[k]);
         pair[1] = shifted(z(i + 1), row_max[k]);
         const int r = get<0>(thread_coords(i)) - row0;
-        const int c = first_col - col0 + offset - half * kStageColumns;
+        const int c = first_col - col0 + offset - part * kStageColumns;
         *reinterpret_cast<cutlass::Array<Element, 2>*>(&stage[r * kStageLd + c]) = pair;
       }
       cute::tma_store_fence();  // the writes above, visible to the bulk copies
       __syncwarp();
-      if (lane < 16) {
-        const int r = warp * 16 + lane;
+      // The warp's rows: kMmaM blocks of 16, 64 apart (one per 64-row WGMMA atom), within its
+      // warpgroup's rows (warpgroups split a tile's rows in the cooperative schedule).
+      constexpr int kMmaM = size<1>(typename Z::layout_type{});
+      if (lane < 16 * kMmaM) {
+        const int r = (warp / 4) * 64 * kMmaM + (lane / 16) * 64 + (warp % 4) * 16 + lane % 16;
         if (row0 + r < rows) {
-          Element* out = params_.shifted + int64_t(row0 + r) * params_.shifted_ld + col0 + half * kStageColumns;
+          Element* out = params_.shifted + int64_t(row0 + r) * params_.shifted_ld + col0 + part * kStageColumns;
           cute::SM90_BULK_COPY_S2G::copy(&stage[r * kStageLd], out, kStageColumns * int(sizeof(Element)));
         }
         cute::tma_store_arrive();
-        cute::tma_store_wait<0>();  // shared memory read out before the warp writes it again
+        cute::tma_store_wait<0>();  // the stage read out before anyone writes it again
       }
       __syncwarp();
     }
@@ -271,7 +278,7 @@ class RowStatsEpilogue {
 
 template <typename Element>
 struct RowStatsGemm {
-  using TileShape = Shape<_128, _256, _64>;
+  using TileShape = Shape<_128, Int<int(kRowStatsTileColumns)>, _64>;
   using ClusterShape = Shape<_2, _1, _1>;
   using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<Element>>;
   // A = X (rows, hidden) row-major; B = W (vocab, hidden): K-major, CUTLASS's column-major B.
@@ -279,7 +286,7 @@ struct RowStatsGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8, Element,
       cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<int(sizeof(typename Epilogue::TensorStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
