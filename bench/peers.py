@@ -3,7 +3,8 @@
 
 For each preset and mode: naive PyTorch (F.cross_entropy(h @ W.T)), torch.compile of it, Liger
 Kernel's LigerFusedLinearCrossEntropyLoss and Cut Cross-Entropy's linear_cross_entropy (default
-gradient filtering, and exact with filter_eps=None), and lmloss.torch itself, when they import.
+gradient filtering, and exact with filter_eps=None), and lmloss itself (lmloss.torch, and
+lmloss.topk for top-k), when they import.
 Each row: median time of CUDA events around the step (L2 flushed before every run), the peak
 extra device memory over the inputs (gradients included), and the floor: the bare torch.matmul
 products of the same step (forward; + dX; + dW) timed in the same run. With --accuracy the
@@ -159,6 +160,7 @@ def methods(mode, y, ids, p):
 def lmloss_methods(mode, y, ids, p):
     """lmloss.torch's losses, when the package imports (it runs on torch's stream and allocator)."""
     try:
+        import lmloss
         import lmloss.torch as lt
     except Exception as e:  # noqa: BLE001 - report and go on
         print(f"# lmloss not available: {e}", file=sys.stderr)
@@ -166,7 +168,8 @@ def lmloss_methods(mode, y, ids, p):
     if mode == "distill64":
         return {"lmloss": lambda x, w: lt.linear_distill(x, w, ids, p)}
     if mode.startswith("topk"):
-        return {}
+        k = int(mode[4:])
+        return {"lmloss": lambda x, w: lmloss.topk(x, w, k)}
     return {"lmloss": lambda x, w: lt.linear_cross_entropy(x, w, y)}
 
 
