@@ -274,6 +274,16 @@ LMLOSS_API lmloss_status lmloss_topk(lmloss_context* context, const lmloss_head*
                                      const lmloss_topk_options* options, const lmloss_tensor* ids,
                                      const lmloss_tensor* probs, const lmloss_tensor* tail);
 
+/* ---- Gradient scaling ------------------------------------------------------------------------ */
+
+/* out = grad * scale, computed in grad's dtype and rounded once into out's: for a framework whose
+ * fused step kept a 16-bit head's dW (or db) in f32 for an upstream gradient of 1, once the real
+ * upstream gradient is known. grad: f32 (or f64 on the CPU), rank 0-2; out: the same shape, any
+ * float dtype, not overlapping grad unless it is grad itself; scale: one element of grad's dtype on
+ * its device, or NULL for 1. On the context's stream; nothing waits. */
+LMLOSS_API lmloss_status lmloss_scale_gradient(lmloss_context* context, const lmloss_tensor* grad,
+                                               const lmloss_tensor* scale, const lmloss_tensor* out);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -175,6 +175,9 @@ inline void topk(Context& ctx, const lmloss_head& head, const lmloss_topk_option
                  Tensor ids, Tensor probs, Tensor tail = {}) {
   check(lmloss_topk(ctx.get(), &head, &options, &ids, &probs, &tail));
 }
+inline void scale_gradient(Context& ctx, Tensor grad, Tensor scale, Tensor out) {
+  check(lmloss_scale_gradient(ctx.get(), &grad, scale.data ? &scale : nullptr, &out));
+}
 
 inline lmloss_head logits_head(Tensor logits) {
   return {logits, Tensor{}, Tensor{}, Tensor{}};

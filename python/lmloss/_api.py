@@ -183,6 +183,15 @@ def invoke_topk(device: int, **kwargs) -> None:
         raise _translate(e) from None
 
 
+def invoke_scale_gradient(device: int, **kwargs) -> None:
+    stream, allocator = device_stream(device)
+    try:
+        with _on_device(device):
+            _lmloss.scale_gradient(stream=stream, allocator=allocator, **kwargs)
+    except _lmloss.Error as e:
+        raise _translate(e) from None
+
+
 def synchronize(device=None) -> None:
     """Waits for this thread's lmloss work on a CUDA device and raises ValueError if a label or
     teacher id was found out of range there since the last check. `device`: a CUDA ordinal, a

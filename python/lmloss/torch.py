@@ -263,13 +263,31 @@ def _setup_forward_backward(ctx, inputs, output):
 _CAST_SLICE_BYTES = 64 << 20
 
 
-def _scaled_to(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
-    """grad * grad_loss in dtype, rounded once. A product whose out= has another dtype is
-    computed into a temporary of the full size first, so a float32 weight gradient of a 16-bit
-    head (2 GiB at V 128256, H 4096) goes a slice of rows at a time."""
+@torch.library.custom_op("lmloss::scale_gradient", mutates_args=())
+def _scale_gradient(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """grad * scale rounded once into dtype, by the library in one pass (lmloss_scale_gradient):
+    PyTorch's own product into another dtype takes a non-vectorised kernel, 2.6 ms for the float32
+    dW of a 16-bit head at V 128256, H 4096 on an H200."""
     out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    _api.invoke_scale_gradient(_device(None, grad), grad=_rows(grad),
+                               scale=scale.reshape(()).to(grad.dtype).contiguous(), out=out)
+    return out
+
+
+@_scale_gradient.register_fake
+def _(grad, scale, dtype):
+    return grad.new_empty(grad.shape, dtype=dtype)
+
+
+def _scaled_to(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
+    """grad * grad_loss in dtype, rounded once. The library's scaling takes a float32 gradient
+    of rank at most 2; anything else goes through PyTorch a slice of rows at a time (a product
+    whose out= has another dtype is computed into a full-size temporary first)."""
     if grad.dim() == 0 or grad.dtype == dtype:
-        return torch.mul(grad, grad_loss, out=out)
+        return torch.mul(grad, grad_loss, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
+    if grad.dim() <= 2 and grad.dtype in (torch.float32, torch.float64) and dtype.is_floating_point:
+        return _scale_gradient(grad, grad_loss, dtype)
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
     step = max(1, _CAST_SLICE_BYTES // max(1, grad[0].numel() * grad.element_size()))
     for r in range(0, grad.shape[0], step):
         torch.mul(grad[r:r + step], grad_loss, out=out[r:r + step])

@@ -329,6 +329,13 @@ void topk_call(nb::handle logits, nb::handle hidden, nb::handle weight, nb::hand
   lmloss::topk(ctx, head, options, v_ids.tensor, v_probs.tensor, v_tail.tensor);
 }
 
+void scale_gradient_call(nb::handle grad, nb::handle scale, nb::handle out, uintptr_t stream, nb::handle allocator) {
+  View v_grad = describe(grad, "grad"), v_scale = describe(scale, "scale"), v_out = describe(out, "out", true);
+  lmloss::Context& ctx = context_for(device_key(v_grad.tensor), stream, allocator);
+  nb::gil_scoped_release release;
+  lmloss::scale_gradient(ctx, v_grad.tensor, v_scale.tensor, v_out.tensor);
+}
+
 }  // namespace
 
 NB_MODULE(_lmloss, m) {
@@ -361,6 +368,9 @@ NB_MODULE(_lmloss, m) {
         nb::arg("weight").none() = nb::none(), nb::arg("bias").none() = nb::none(), nb::arg("k"), nb::arg("softcap"),
         nb::arg("temperature"), nb::arg("renormalize"), nb::arg("ids"), nb::arg("probs"),
         nb::arg("tail").none() = nb::none(), nb::arg("stream") = 0, nb::arg("allocator").none() = nb::none());
+
+  m.def("scale_gradient", &scale_gradient_call, nb::kw_only(), nb::arg("grad"), nb::arg("scale").none() = nb::none(),
+        nb::arg("out"), nb::arg("stream") = 0, nb::arg("allocator").none() = nb::none());
 
   // Waits for the device's queued work of this thread's context and reports an id found out of
   // range there (device -1: the CPU, where ids are checked before anything is written).

@@ -216,4 +216,17 @@ lmloss_status lmloss_topk(lmloss_context* context, const lmloss_head* head,
   });
 }
 
+lmloss_status lmloss_scale_gradient(lmloss_context* context, const lmloss_tensor* grad,
+                                    const lmloss_tensor* scale, const lmloss_tensor* out) {
+  return guarded([&] {
+    if (!context) return fail(LMLOSS_ERROR_INVALID_ARGUMENT, "context: is NULL");
+    ScaleCall call;
+    LMLOSS_CHECK(validate_scale(grad, scale, out, call));
+    Backend* backend = nullptr;
+    LMLOSS_CHECK(choose_backend(call.device_type, backend));
+    LMLOSS_CHECK(backend->run(*context, call));
+    return succeed();
+  });
+}
+
 }  // extern "C"

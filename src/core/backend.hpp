@@ -1,6 +1,6 @@
 // The seam between the public calls and the backends. The public calls (src/core/api.cpp)
 // validate every argument once and hand a backend a checked call; a backend never re-validates
-// shapes, only does the work. CPU and CUDA implement the same two entry points.
+// shapes, only does the work. CPU and CUDA implement the same entry points.
 #pragma once
 
 #include <cstddef>
@@ -60,6 +60,18 @@ struct TopkCall {
   int32_t device_index = 0;
 };
 
+// A validated gradient scaling: out = grad * scale, viewed as (rows, cols) with row strides.
+struct ScaleCall {
+  lmloss_tensor grad{};   // f32 or f64
+  lmloss_tensor scale{};  // one element of grad's dtype, optional (1)
+  lmloss_tensor out{};    // any float dtype, grad's shape
+
+  int64_t rows = 0;
+  int64_t cols = 0;
+  lmloss_device_type device_type = LMLOSS_DEVICE_CPU;
+  int32_t device_index = 0;
+};
+
 // Per-context state a backend keeps (handles, cached plans, device buffers). Owned by the
 // context, destroyed with it.
 class BackendState {
@@ -78,6 +90,7 @@ class Backend {
   virtual lmloss_status check(lmloss_context& context, const TopkCall& call) = 0;
   virtual lmloss_status run(lmloss_context& context, const LossCall& call) = 0;
   virtual lmloss_status run(lmloss_context& context, const TopkCall& call) = 0;
+  virtual lmloss_status run(lmloss_context& context, const ScaleCall& call) = 0;
   // lmloss_context_synchronize: wait for queued work, report device-side errors.
   virtual lmloss_status synchronize(lmloss_context& context) = 0;
 };

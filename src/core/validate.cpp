@@ -345,4 +345,43 @@ lmloss_status validate_topk(const lmloss_head* head, const lmloss_topk_options* 
   return LMLOSS_SUCCESS;
 }
 
+lmloss_status validate_scale(const lmloss_tensor* grad, const lmloss_tensor* scale, const lmloss_tensor* out,
+                             ScaleCall& call) {
+  call = ScaleCall{};
+  if (!grad || !grad->data) return invalid("grad", "is missing");
+  if (!out || !out->data) return invalid("out", "is missing");
+  LMLOSS_CHECK(check_tensor(*grad, "grad"));
+  LMLOSS_CHECK(check_tensor(*out, "out"));
+  LMLOSS_CHECK(expect_dtype(*grad, "grad", LMLOSS_F32, LMLOSS_F64, "f32 or f64"));
+  for (const lmloss_tensor* t : {grad, out})
+    if (t->ndim == 1 && t->stride > 1)
+      return invalid(t == grad ? "grad" : "out", "a vector must be contiguous (stride 0 or 1)");
+  if (!is_float(out->dtype))
+    return invalid("out", std::string("dtype ") + dtype_name(out->dtype) + " not allowed; expected a float dtype");
+  const int64_t rows = grad->ndim == 2 ? grad->shape[0] : 1;
+  const int64_t cols = grad->ndim == 2 ? grad->shape[1] : grad->ndim == 1 ? grad->shape[0] : 1;
+  const bool same_shape = out->ndim == grad->ndim && (grad->ndim < 1 || out->shape[0] == grad->shape[0]) &&
+                          (grad->ndim < 2 || out->shape[1] == grad->shape[1]);
+  if (!same_shape) return invalid("out", "expected grad's shape " + shape_string(*grad) + ", got " + shape_string(*out));
+  if (out->data == grad->data && (out->dtype != grad->dtype || row_stride(*out) != row_stride(*grad)))
+    return invalid("out", "shares grad's memory with another dtype or stride; only out = grad in place is allowed");
+  call.grad = *grad;
+  call.out = *out;
+  call.scale = scale ? *scale : lmloss_tensor_none();
+  if (call.scale.data) {
+    LMLOSS_CHECK(check_tensor(call.scale, "scale"));
+    LMLOSS_CHECK(expect_shape(call.scale, "scale", 0, 0, 0, "() or (1)"));
+    LMLOSS_CHECK(expect_dtype(call.scale, "scale", grad->dtype, grad->dtype, dtype_name(grad->dtype)));
+  }
+  DeviceCheck device;
+  LMLOSS_CHECK(device.add(call.grad, "grad"));
+  LMLOSS_CHECK(device.add(call.out, "out"));
+  LMLOSS_CHECK(device.add(call.scale, "scale"));
+  call.rows = rows;
+  call.cols = cols;
+  call.device_type = device.type;
+  call.device_index = device.index;
+  return LMLOSS_SUCCESS;
+}
+
 }  // namespace lmloss::core

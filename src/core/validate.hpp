@@ -18,4 +18,8 @@ lmloss_status validate_topk(const lmloss_head* head, const lmloss_topk_options* 
                             const lmloss_tensor* ids, const lmloss_tensor* probs,
                             const lmloss_tensor* tail, TopkCall& call);
 
+// Checks the arguments of lmloss_scale_gradient and fills `call`; `scale` may be null.
+lmloss_status validate_scale(const lmloss_tensor* grad, const lmloss_tensor* scale, const lmloss_tensor* out,
+                             ScaleCall& call);
+
 }  // namespace lmloss::core

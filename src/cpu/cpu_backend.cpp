@@ -37,6 +37,7 @@ namespace {
 using core::LossCall;
 using core::Mode;
 using core::TopkCall;
+using core::ScaleCall;
 
 // Host blocks the context keeps between calls. A call's pieces go back to the pool, so the next
 // call of the same shape reuses memory already mapped: fresh pages cost a fault and a zeroing
@@ -636,9 +637,27 @@ class CpuBackend final : public core::Backend {
     return run_topk<float>(context, call, plan);
   }
 
+  lmloss_status run(lmloss_context&, const ScaleCall& call) override {
+    if (call.grad.dtype == LMLOSS_F64) scale_rows<double>(call);
+    else scale_rows<float>(call);
+    return core::succeed();
+  }
+
   lmloss_status synchronize(lmloss_context&) override { return core::succeed(); }
 
  private:
+  // out = grad * scale in grad's dtype C, row by row (in place when out is grad).
+  template <typename C>
+  static void scale_rows(const ScaleCall& call) {
+    const C scale = call.scale.data ? core::load_float<C>(call.scale.data, call.scale.dtype, 0) : C(1);
+    for (int64_t r = 0; r < call.rows; ++r) {
+      const void* in = core::row_ptr(call.grad, r);
+      void* out = core::row_ptr_mut(call.out, r);
+      for (int64_t j = 0; j < call.cols; ++j)
+        core::store_float<C>(out, call.out.dtype, j, core::load_float<C>(in, call.grad.dtype, j) * scale);
+    }
+  }
+
   static void set_blas_threads(const lmloss_context& context) {
     if (context.num_threads > 0) openblas_set_num_threads(context.num_threads);
   }

@@ -753,6 +753,15 @@ class CudaBackend final : public core::Backend {
     return LMLOSS_SUCCESS;
   }
 
+  lmloss_status run(lmloss_context& context, const core::ScaleCall& call) override {
+    if (call.grad.dtype != LMLOSS_F32 || call.out.dtype == LMLOSS_F64)
+      return core::fail(LMLOSS_ERROR_UNSUPPORTED, "grad, out: f64 tensors are CPU only; use f32 on CUDA");
+    DeviceGuard guard(call.device_index);
+    return launch_scale_rows(static_cast<const float*>(call.grad.data), row_stride(call.grad),
+                             static_cast<const float*>(call.scale.data), call.rows, call.cols, call.out.data,
+                             row_stride(call.out), call.out.dtype, static_cast<cudaStream_t>(context.stream));
+  }
+
   lmloss_status synchronize(lmloss_context& context) override {
     auto* state = dynamic_cast<CudaState*>(context.cuda_state.get());
     if (!state) return LMLOSS_SUCCESS;

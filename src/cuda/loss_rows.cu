@@ -1,11 +1,14 @@
 // Row kernels of the losses (see loss_rows.cuh for the passes), and the small kernels around
 // them: the per-call prologue (counted tokens, upstream gradient, f16 scale), the final loss
-// reduction and the bias gradient's column sums. Every reduction runs in a fixed order.
+// reduction, the bias gradient's column sums, and lmloss_scale_gradient's scaled copy. Every
+// reduction runs in a fixed order.
 #include "cuda/loss_rows.cuh"
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
+#include "core/dtype.hpp"
 #include "cuda/row_stats_product.cuh"
 
 namespace lmloss::cuda {
@@ -378,6 +381,36 @@ __global__ void to_f32_kernel(const void* in, lmloss_dtype dtype, int64_t n, flo
     out[j] = load_float(in, dtype, j);
 }
 
+// out[r, j] = grad[r, j] * scale: blocks along y take rows, along x column groups of 4 (one
+// 16-byte load, one 16- or 8-byte store) where every row is 16-byte aligned, else single columns.
+template <typename T, int kWidth>
+__global__ void scale_rows_kernel(const float* grad, int64_t grad_ld, const float* scale, int64_t rows,
+                                  int64_t cols, T* out, int64_t out_ld) {
+  const float s = scale ? *scale : 1.f;
+  const int64_t groups = cols / kWidth;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const float* in = grad + r * grad_ld;
+    T* dst = out + r * out_ld;
+    for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups; g += int64_t(gridDim.x) * blockDim.x) {
+      if constexpr (kWidth == 4) {
+        const float4 v = reinterpret_cast<const float4*>(in)[g];
+        if constexpr (sizeof(T) == 4) {
+          reinterpret_cast<float4*>(dst)[g] = make_float4(v.x * s, v.y * s, v.z * s, v.w * s);
+        } else {
+          struct alignas(8) Four { T e[4]; } four;
+          four.e[0] = from_float<T>(v.x * s);
+          four.e[1] = from_float<T>(v.y * s);
+          four.e[2] = from_float<T>(v.z * s);
+          four.e[3] = from_float<T>(v.w * s);
+          reinterpret_cast<Four*>(dst)[g] = four;
+        }
+      } else {
+        dst[g] = from_float<T>(in[g] * s);
+      }
+    }
+  }
+}
+
 unsigned int flat_grid(int64_t n, int threads) {
   const int64_t blocks = (n + threads - 1) / threads;
   return static_cast<unsigned int>(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
@@ -476,6 +509,32 @@ lmloss_status launch_store_vector(const float* acc, int64_t n, bool accumulate, 
     default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
   }
   LMLOSS_CUDA_LAUNCHED("store_vector_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status launch_scale_rows(const float* grad, int64_t grad_ld, const float* scale, int64_t rows,
+                                int64_t cols, void* out, int64_t out_ld, lmloss_dtype out_dtype,
+                                cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return LMLOSS_SUCCESS;
+  const size_t out_size = core::dtype_size(out_dtype);
+  const bool vector = cols % 4 == 0 && grad_ld % 4 == 0 && out_ld % 4 == 0 &&
+                      reinterpret_cast<uintptr_t>(grad) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % (4 * out_size) == 0;
+  constexpr int kThreads = 256;
+  const int64_t groups = vector ? cols / 4 : cols;
+  const dim3 grid(unsigned(std::min<int64_t>((groups + kThreads - 1) / kThreads, 1024)),
+                  unsigned(std::min<int64_t>(rows, 65535)));
+  auto launch = [&](auto* typed_out) {
+    using T = std::remove_pointer_t<decltype(typed_out)>;
+    if (vector) scale_rows_kernel<T, 4><<<grid, kThreads, 0, stream>>>(grad, grad_ld, scale, rows, cols, typed_out, out_ld);
+    else scale_rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(grad, grad_ld, scale, rows, cols, typed_out, out_ld);
+  };
+  switch (out_dtype) {
+    case LMLOSS_F32: launch(static_cast<float*>(out)); break;
+    case LMLOSS_BF16: launch(static_cast<__nv_bfloat16*>(out)); break;
+    case LMLOSS_F16: launch(static_cast<__half*>(out)); break;
+    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
+  }
+  LMLOSS_CUDA_LAUNCHED("scale_rows_kernel");
   return LMLOSS_SUCCESS;
 }
 

@@ -119,5 +119,10 @@ lmloss_status launch_to_f32(const void* in, lmloss_dtype dtype, int64_t n, float
 // out[j] = acc[j] (+ out[j] when accumulating), converted to out's dtype.
 lmloss_status launch_store_vector(const float* acc, int64_t n, bool accumulate, void* out,
                                   lmloss_dtype out_dtype, cudaStream_t stream);
+// out[r, j] = grad[r, j] * scale (scale a device f32, or null for 1), rounded once into out's
+// dtype (f32, bf16 or f16); out may be grad itself.
+lmloss_status launch_scale_rows(const float* grad, int64_t grad_ld, const float* scale, int64_t rows,
+                                int64_t cols, void* out, int64_t out_ld, lmloss_dtype out_dtype,
+                                cudaStream_t stream);
 
 }  // namespace lmloss::cuda

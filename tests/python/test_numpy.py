@@ -462,3 +462,21 @@ def test_threads_each_have_their_own_context():
     for r, e in zip(results, expected):
         assert r.loss == e.loss
         np.testing.assert_array_equal(r.grad_weight, e.grad_weight)
+
+
+def test_scale_gradient_extension_call():
+    # The extension's lmloss_scale_gradient, which lmloss.torch uses for its 16-bit heads' float32
+    # weight gradients: the product in float32, rounded once; here into float32 on the host, as
+    # the product itself, and in place.
+    rng = np.random.default_rng(7)
+    grad = rng.standard_normal((37, 1003)).astype(np.float32)
+    scale = np.array(0.37, dtype=np.float32)
+    out = np.full_like(grad, np.nan)
+    lmloss._lmloss.scale_gradient(grad=grad, scale=scale, out=out)
+    np.testing.assert_array_equal(out, grad * scale)
+    lmloss._lmloss.scale_gradient(grad=grad, out=out)
+    np.testing.assert_array_equal(out, grad)
+    lmloss._lmloss.scale_gradient(grad=grad, scale=scale, out=grad)
+    np.testing.assert_array_equal(grad, out * scale)
+    with pytest.raises(lmloss._lmloss.Error, match="out"):
+        lmloss._lmloss.scale_gradient(grad=grad, out=np.zeros((37, 1002), np.float32))
