@@ -285,7 +285,9 @@ def _scaled_to(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
     whose out= has another dtype is computed into a full-size temporary first)."""
     if grad.dim() == 0 or grad.dtype == dtype:
         return torch.mul(grad, grad_loss, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
-    if grad.dim() <= 2 and grad.dtype in (torch.float32, torch.float64) and dtype.is_floating_point:
+    # (A backward that builds a graph, create_graph=True, keeps PyTorch's differentiable product.)
+    if (grad.dim() <= 2 and grad.dtype in (torch.float32, torch.float64) and dtype.is_floating_point
+            and not (grad.requires_grad or grad_loss.requires_grad)):
         return _scale_gradient(grad, grad_loss, dtype)
     out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
     step = max(1, _CAST_SLICE_BYTES // max(1, grad[0].numel() * grad.element_size()))
