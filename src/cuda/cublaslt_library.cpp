@@ -38,6 +38,7 @@ Loaded load() {
   ok &= resolve(library, "cublasLtDestroy", a.Destroy, l.error);
   ok &= resolve(library, "cublasLtGetStatusString", a.GetStatusString, l.error);
   ok &= resolve(library, "cublasLtMatmul", a.Matmul, l.error);
+  ok &= resolve(library, "cublasLtMatmulAlgoConfigGetAttribute", a.MatmulAlgoConfigGetAttribute, l.error);
   ok &= resolve(library, "cublasLtMatmulAlgoGetHeuristic", a.MatmulAlgoGetHeuristic, l.error);
   ok &= resolve(library, "cublasLtMatmulDescCreate", a.MatmulDescCreate, l.error);
   ok &= resolve(library, "cublasLtMatmulDescDestroy", a.MatmulDescDestroy, l.error);

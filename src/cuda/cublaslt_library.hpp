@@ -14,6 +14,7 @@ struct CublasLt {
   decltype(&cublasLtDestroy) Destroy = nullptr;
   decltype(&cublasLtGetStatusString) GetStatusString = nullptr;
   decltype(&cublasLtMatmul) Matmul = nullptr;
+  decltype(&cublasLtMatmulAlgoConfigGetAttribute) MatmulAlgoConfigGetAttribute = nullptr;
   decltype(&cublasLtMatmulAlgoGetHeuristic) MatmulAlgoGetHeuristic = nullptr;
   decltype(&cublasLtMatmulDescCreate) MatmulDescCreate = nullptr;
   decltype(&cublasLtMatmulDescDestroy) MatmulDescDestroy = nullptr;

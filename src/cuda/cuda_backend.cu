@@ -609,6 +609,11 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       s.ab_type = gtype;
       s.d_type = g.grad_weight.dtype;
       s.workspace_bytes = matmul_ws_bytes;
+      // 128 x 160 tiles where offered: the fastest of the heuristic's 8 candidates for 16-bit
+      // chunks into an f32 dW on an H200 (cuBLASLt 13.1), with beta 0 and 1 alike, at llama3-8b
+      // and gemma2-2b chunk heights; the heuristic's first took 0.1-0.8 ms more per chunk
+      // (docs/performance.md, run 28).
+      if (gtype != LMLOSS_F32 && s.d_type == LMLOSS_F32) s.preferred_tile = CUBLASLT_MATMUL_TILE_128x160;
       const bool add = row0 > 0 || accumulate_w;
       LMLOSS_CHECK(r.state.matmul.run(s, x_chunk, grad, g.grad_weight.data, &scalars->inv_grad_scale,
                                       add ? &scalars->one : &scalars->zero, matmul_ws, r.stream,

@@ -32,6 +32,15 @@ lmloss_status lt_fail(const char* what, cublasStatus_t status) {
     if (lmloss_lt_ != CUBLAS_STATUS_SUCCESS) return lt_fail(what, lmloss_lt_); \
   } while (0)
 
+// The algorithm's tile (cublasLtMatmulTile_t), or 0 when it does not say.
+int algorithm_tile(const cublasLtMatmulAlgo_t& algo) {
+  uint32_t tile = 0;
+  size_t written = 0;
+  const cublasStatus_t st =
+      lt().MatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &written);
+  return st == CUBLAS_STATUS_SUCCESS && written == sizeof(tile) ? int(tile) : 0;
+}
+
 void destroy(MatmulPlan& p) {
   if (p.a) lt().MatrixLayoutDestroy(p.a);
   if (p.b) lt().MatrixLayoutDestroy(p.b);
@@ -115,6 +124,11 @@ lmloss_status MatmulCache::plan(const MatmulShape& s, MatmulPlan** out) {
   if (found == 0) return fail_with("heuristic (no algorithm)", CUBLAS_STATUS_NOT_SUPPORTED);
   p.algo = results[0].algo;
   for (int i = 0; i < found; ++i) p.candidates.push_back(results[i].algo);
+  for (int i = 0; s.preferred_tile != 0 && i < found; ++i)
+    if (algorithm_tile(results[i].algo) == s.preferred_tile) {
+      p.algo = results[i].algo;
+      break;
+    }
   auto [it, inserted] = plans_.emplace(s, p);
   *out = &it->second;
   return LMLOSS_SUCCESS;

@@ -5,10 +5,11 @@
 //   grad_w    dW (vocab, hidden) = dZ^T X  (+ dW when accumulating)
 //
 // cuBLASLt is column-major, so each row-major product is issued as its transpose. A descriptor,
-// its layouts and the algorithm the heuristic puts first are made once per problem shape and
-// cached in the context's CUDA state; with tuning on, the heuristic's candidates are timed on the
-// shape's first run instead and the fastest kept (that run synchronises the stream). alpha and
-// beta are device pointers: the f16 gradient scale is known only on the device.
+// its layouts and the algorithm the heuristic puts first (or the first of a preferred tile, see
+// MatmulShape::preferred_tile) are made once per problem shape and cached in the context's CUDA
+// state; with tuning on, the heuristic's candidates are timed on the shape's first run instead and
+// the fastest kept (that run synchronises the stream). alpha and beta are device pointers: the
+// f16 gradient scale is known only on the device.
 #pragma once
 
 #include <cublasLt.h>
@@ -34,10 +35,13 @@ struct MatmulShape {
   // Alignment in bytes (a power of two, at most 256) of each pointer: the algorithm must not
   // assume more than the caller's views give.
   uint32_t align_a = 256, align_b = 256, align_d = 256;
+  // A tile (cublasLtMatmulTile_t) to take over the heuristic's first choice where the heuristic
+  // offers it among its candidates; 0: none. The heuristic cannot see beta (a device pointer).
+  int preferred_tile = 0;
 
   auto key() const {
     return std::tuple(m, n, k, lda, ldb, ldd, trans_a, trans_b, int(ab_type), int(d_type),
-                      workspace_bytes, align_a, align_b, align_d);
+                      workspace_bytes, align_a, align_b, align_d, preferred_tile);
   }
   bool operator<(const MatmulShape& o) const { return key() < o.key(); }
 };
@@ -45,7 +49,7 @@ struct MatmulShape {
 struct MatmulPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo{};                    // the heuristic's first, or the fastest timed
+  cublasLtMatmulAlgo_t algo{};                    // the heuristic's first (or preferred), or the fastest timed
   std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's list, best guess first
   bool tuned = false;
 };
