@@ -286,8 +286,9 @@ TEST_F(Cuda, DistillationFromTheProductMatchesReference) {
         if (chunked) ctx.set_workspace_budget(budget_for_rows(std::max<int64_t>(shape.n_tokens / 3, 1), shape.vocab));
         ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
         expect_matches_reference(c, Mode::forward_backward);
-        if (!chunked)
+        if (!chunked) {
           EXPECT_LT(ctx.peak_workspace(), product_path_workspace_bound(shape.n_tokens, shape.vocab, shape.top_k));
+        }
         const std::vector<double> first = c.output_values();
         ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
         EXPECT_TRUE(bitwise_equal(first, c.output_values()));
