@@ -156,7 +156,8 @@ class Products {
   // Later runs use the heuristic's i-th algorithm (-1: its first, the default).
   void use_candidate(int i) { candidate_ = i; }
   // The i-th candidate's configuration: algorithm id, tile, stages, split-K, reduction scheme,
-  // swizzle, custom option, cluster shape (cuBLASLt's enum values).
+  // swizzle, custom option, inner and cluster shape (cuBLASLt's enum values; -1 where it does not
+  // say), and the heuristic's estimate of its waves.
   std::string candidate_config(int64_t m, int64_t n, int64_t k, bool a_t, bool b_t, lmloss_dtype ab,
                                lmloss_dtype c_type, size_t i) const {
     const Plan& p = plans_.at(std::make_tuple(m, n, k, a_t, b_t, int(ab), int(c_type)));

@@ -165,31 +165,26 @@ def _on_device(device: int):
     return torch.cuda.device(device)
 
 
-def invoke_loss(mode: str, device: int, **kwargs) -> None:
+def _invoke(call, device: int, *args, **kwargs) -> None:
+    """An extension call on `device` with its stream and allocator; library errors translated."""
     stream, allocator = device_stream(device)
     try:
         with _on_device(device):
-            _lmloss.loss(mode, stream=stream, allocator=allocator, **kwargs)
+            call(*args, stream=stream, allocator=allocator, **kwargs)
     except _lmloss.Error as e:
         raise _translate(e) from None
+
+
+def invoke_loss(mode: str, device: int, **kwargs) -> None:
+    _invoke(_lmloss.loss, device, mode, **kwargs)
 
 
 def invoke_topk(device: int, **kwargs) -> None:
-    stream, allocator = device_stream(device)
-    try:
-        with _on_device(device):
-            _lmloss.topk(stream=stream, allocator=allocator, **kwargs)
-    except _lmloss.Error as e:
-        raise _translate(e) from None
+    _invoke(_lmloss.topk, device, **kwargs)
 
 
 def invoke_scale_gradient(device: int, **kwargs) -> None:
-    stream, allocator = device_stream(device)
-    try:
-        with _on_device(device):
-            _lmloss.scale_gradient(stream=stream, allocator=allocator, **kwargs)
-    except _lmloss.Error as e:
-        raise _translate(e) from None
+    _invoke(_lmloss.scale_gradient, device, **kwargs)
 
 
 def synchronize(device=None) -> None:
