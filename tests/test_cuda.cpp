@@ -303,6 +303,96 @@ TEST_F(Cuda, DistillationFromTheProductMatchesReference) {
   }
 }
 
+// Teacher top-k through a 16-bit head, selected from the largest logits the product keeps per
+// column tile: against the reference at odd shapes (one token, a vocabulary of two whole tiles
+// and one more column, 50021; strided rows) for k from 1 to the path's largest, renormalised or
+// with the tail, at two temperatures; bitwise on a second run. Its workspace shows the path: a
+// few dozen bytes per row and tile, no logits chunk and no cuBLASLt workspace.
+TEST_F(Cuda, TopkFromTheProductMatchesReference) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4015);
+  struct Shape {
+    int64_t n_tokens, vocab, hidden, k, row_padding;
+  };
+  for (const Shape shape : {Shape{300, 50021, 64, 64, 0}, Shape{1, 8191, 136, 128, 8}, Shape{37, 257, 72, 8, 0},
+                            Shape{130, 256, 64, 1, 0}}) {
+    const reference::Problem p = gen.problem({.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden});
+    for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
+      for (const double temperature : {1.0, 0.7}) {
+        for (const int renormalize : {1, 0}) {
+          SCOPED_TRACE(std::string(dtype_name(dtype)) + " N " + std::to_string(shape.n_tokens) + " V " +
+                       std::to_string(shape.vocab) + " k " + std::to_string(shape.k) + " T " +
+                       std::to_string(temperature) + " renormalize " + std::to_string(renormalize));
+          lmloss_topk_options o = lmloss_topk_options_default();
+          o.k = shape.k;
+          o.temperature = temperature;
+          o.renormalize = renormalize;
+          TopkSetup ts;
+          ts.device = Device::cuda;
+          ts.dtype = dtype;
+          ts.row_padding = shape.row_padding;
+          TopkCase tc(p, o, ts);
+          lmloss::Context ctx;
+          ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+          expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
+          const size_t tiles = size_t((shape.vocab + 127) / 128);
+          EXPECT_LT(ctx.peak_workspace(), size_t(shape.n_tokens) * tiles * 48 + (size_t(1) << 20));
+          const std::vector<int64_t> ids = tc.ids.ids();
+          const std::vector<double> probs = tc.probs.values();
+          ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+          EXPECT_EQ(ids, tc.ids.ids());
+          EXPECT_TRUE(bitwise_equal(probs, tc.probs.values()));
+        }
+      }
+    }
+  }
+}
+
+// The same path where a column tile holds more of the top k than the product kept of it: a head
+// whose first 100 logits of every row are the largest (exact in 16 bits, 4 + j/16), so the first
+// tile's logits are recomputed in full and merged; and a head whose logits all tie (every row
+// of W the same), where the selection recomputes tile after tile.
+TEST_F(Cuda, TopkFromTheProductRecomputesFullTiles) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4016);
+  const int64_t n = 50, V = 4099, H = 64;  // 32 whole tiles: room for k 128
+  reference::Problem clustered = gen.problem({.n_tokens = n, .vocab = V, .hidden = H});
+  for (int64_t t = 0; t < n; ++t) clustered.hidden_states[t * H] = 1.0;
+  for (int64_t j = 0; j < V; ++j)
+    for (int64_t h = 0; h < H; ++h) {
+      double& w = clustered.weight[j * H + h];
+      w = j < 100 ? (h == 0 ? 4.0 + double(j) / 16 : 0.0) : w / 16;
+    }
+  reference::Problem tied = gen.problem({.n_tokens = n, .vocab = V, .hidden = H});
+  for (int64_t j = 1; j < V; ++j)
+    for (int64_t h = 0; h < H; ++h) tied.weight[j * H + h] = tied.weight[h];
+  for (const bool is_tied : {false, true}) {
+    for (const int64_t k : {int64_t(64), int64_t(128)}) {
+      SCOPED_TRACE(std::string(is_tied ? "tied" : "clustered") + " k " + std::to_string(k));
+      lmloss_topk_options o = lmloss_topk_options_default();
+      o.k = k;
+      o.renormalize = 0;
+      TopkSetup ts;
+      ts.device = Device::cuda;
+      ts.dtype = LMLOSS_BF16;
+      TopkCase tc(is_tied ? tied : clustered, o, ts);
+      lmloss::Context ctx;
+      ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
+      EXPECT_LT(ctx.peak_workspace(), size_t(1) << 20);
+      const std::vector<int64_t> ids = tc.ids.ids();
+      ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      EXPECT_EQ(ids, tc.ids.ids());
+      if (!is_tied) {  // the 100 largest are exact and distinct: the first k columns, in order
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t i = 0; i < k && i < 100; ++i) ASSERT_EQ(ids[t * k + i], 99 - i) << "token " << t;
+      }
+    }
+  }
+}
+
 TEST_F(Cuda, RunsAreBitwiseIdentical) {
   Generator gen(4003);
   for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {

@@ -14,7 +14,9 @@
 // soft-capping, on an sm_90 device, takes each chunk's statistics in the product's epilogue
 // instead (row_stats_product.cuh): no logits chunk for a forward; for a fused call the product
 // stores the shifted logits in the inputs' dtype, the row kernel reads s at the teacher ids from
-// them and writes the gradient over them.
+// them and writes the gradient over them. Teacher top-k through such a head (k up to
+// kTopkFromProductMaxK) has the product keep each tile's largest logits and selects from those
+// (topk.cuh).
 // Nothing here waits for the device: the loss, lse and gradients stay where the caller pointed.
 #include <cuda_runtime.h>
 
@@ -24,6 +26,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "core/backend.hpp"
 #include "core/context.hpp"
@@ -206,8 +209,22 @@ bool grads_computed(const core::LossCall& call) {
   return call.mode != core::Mode::forward && wants_any_grad(call);
 }
 
+// The product's shape is 32-bit: chunks of at most 2^31 - 1 rows, and vocab and hidden below that.
+constexpr int64_t kProductDimLimit = std::numeric_limits<int32_t>::max();
+
+// Whether a call through a head may take the statistics product (row_stats_product.cuh).
+template <typename Call>
+bool head_suits_row_stats_product(const Call& call) {
+  return call.linear && !call.head.bias.data && !(call.options.softcap > 0) && call.vocab <= kProductDimLimit &&
+         call.hidden <= kProductDimLimit &&
+         row_stats_product_supported(call.device_index, call.input_dtype, call.head.hidden.data,
+                                     row_stride(call.head.hidden), call.head.weight.data,
+                                     row_stride(call.head.weight), call.hidden);
+}
+
 // The statistics product of the chunk of `rows` tokens from row0 (pointers to outputs unset).
-RowStatsProductArgs row_stats_args(const core::LossCall& call, int64_t rows, int64_t row0 = 0) {
+template <typename Call>
+RowStatsProductArgs row_stats_args(const Call& call, int64_t rows, int64_t row0 = 0) {
   RowStatsProductArgs a;
   a.dtype = call.input_dtype;
   a.hidden_ld = row_stride(call.head.hidden);
@@ -218,8 +235,10 @@ RowStatsProductArgs row_stats_args(const core::LossCall& call, int64_t rows, int
   a.vocab = call.vocab;
   a.hidden_size = call.hidden;
   a.inv_temperature = float(1.0 / call.options.temperature);
-  a.labels = call.targets.labels.data;
-  a.labels_dtype = call.targets.labels.dtype;
+  if constexpr (std::is_same_v<Call, core::LossCall>) {
+    a.labels = call.targets.labels.data;
+    a.labels_dtype = call.targets.labels.dtype;
+  }
   a.row0 = row0;
   a.partial_ld = row_stats_tiles(call.vocab);
   return a;
@@ -334,18 +353,12 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     if (call.head.bias.data) pc[kBiasF32].fixed = sizeof(float) * call.vocab;
     if (grads && call.grads.grad_bias.data) pc[kBiasGrad].fixed = sizeof(float) * call.vocab;
   }
-  // The product's shape is 32-bit: chunks of at most 2^31 - 1 rows, and vocab and hidden below that.
-  constexpr int64_t kProductDimLimit = std::numeric_limits<int32_t>::max();
   int64_t row_limit = call.n_tokens;
   const bool grads_formed = grads_computed(call);
   // Statistics from the product: a fused step (a backward reads its logits with a saved lse), or
   // a forward without a teacher (whose s values come from the shifted logits a fused step stores).
   const bool product_work = grads_formed ? call.mode != core::Mode::backward : !call.has_teacher();
-  if (call.linear && product_work && !call.head.bias.data && !(call.options.softcap > 0) &&
-      call.vocab <= kProductDimLimit && call.hidden <= kProductDimLimit &&
-      row_stats_product_supported(call.device_index, call.input_dtype, call.head.hidden.data,
-                                  row_stride(call.head.hidden), call.head.weight.data,
-                                  row_stride(call.head.weight), call.hidden)) {
+  if (product_work && head_suits_row_stats_product(call)) {
     // Per row: the column tiles' partials and s at the label; the shifted logits (2 bytes each,
     // the gradient later written over them) only if gradients are formed.
     p.row_stats_product = true;
@@ -370,19 +383,33 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   return p;
 }
 
-enum TopkPiece { kTopkLogits, kTopkMatmulWs, kTopkSort, kTopkScalars, kTopkLse, kTopkBias, kTopkPieces };
+enum TopkPiece {
+  kTopkLogits, kTopkMatmulWs, kTopkSort, kTopkScalars, kTopkLse, kTopkBias,
+  kTopkCandidates, kTopkPartials, kTopkProductWs, kTopkPieces
+};
 
 struct TopkPlan {
   Layout<kTopkPieces> layout;
   int64_t chunk_rows = 0;
   int64_t logits_ld = 0;
   size_t matmul_ws = 0;
+  bool from_product = false;  // the statistics product keeps each tile's largest; no logits
 };
 
 TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
   TopkPlan p;
   const int64_t k = call.options.k;
   Piece* pc = p.layout.pieces;
+  if (topk_from_candidates_supported(call.vocab, k) && head_suits_row_stats_product(call)) {
+    p.from_product = true;
+    const size_t tiles = size_t(row_stats_tiles(call.vocab));
+    pc[kTopkCandidates] = {0, sizeof(uint64_t) * kTopkCandidatesPerTile * tiles, 256};
+    pc[kTopkPartials] = {0, sizeof(float4) * tiles, 256};
+    const int64_t row_limit = std::min(call.n_tokens, kProductDimLimit);
+    pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
+    p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
+    return p;
+  }
   if (k > topk_shared_capacity()) {  // the device-memory sort, and each row's lse kept across it
     pc[kTopkSort] = {0, 0, 256, k};
     pc[kTopkLse].per_row = sizeof(float);
@@ -733,6 +760,34 @@ class CudaBackend final : public core::Backend {
     a.renormalize = call.options.renormalize != 0;
     a.scale = core::LogitScale<float>::make(call.options.softcap, call.options.temperature);
     a.lse_scratch = row_lse;
+    if (plan.from_product) {
+      TopkCandidatesArgs c;
+      c.candidates = static_cast<const uint64_t*>(piece(kTopkCandidates));
+      c.tiles = row_stats_tiles(call.vocab);
+      c.candidates_ld = c.tiles * kTopkCandidatesPerTile;
+      c.partial = static_cast<const float4*>(piece(kTopkPartials));
+      c.partial_ld = c.tiles;
+      c.dtype = call.input_dtype;
+      c.hidden = call.head.hidden.data;
+      c.hidden_ld = row_stride(call.head.hidden);
+      c.weight = call.head.weight.data;
+      c.weight_ld = row_stride(call.head.weight);
+      c.hidden_size = call.hidden;
+      c.inv_temperature = float(1.0 / call.options.temperature);
+      for (int64_t row0 = 0; row0 < call.n_tokens; row0 += R) {
+        const int64_t rows = std::min(R, call.n_tokens - row0);
+        RowStatsProductArgs product = row_stats_args(call, rows, row0);
+        product.partial = static_cast<float4*>(piece(kTopkPartials));
+        product.candidates = static_cast<uint64_t*>(piece(kTopkCandidates));
+        product.candidates_ld = c.candidates_ld;
+        LMLOSS_CHECK(run_row_stats_product(product, piece(kTopkProductWs), stream));
+        c.select = a;
+        c.select.row0 = row0;
+        c.select.rows = rows;
+        LMLOSS_CHECK(launch_topk_from_candidates(c, stream));
+      }
+      return LMLOSS_SUCCESS;
+    }
     const int64_t in_size = int64_t(core::dtype_size(call.input_dtype));
     const char* x = static_cast<const char*>(call.head.hidden.data);
     const int64_t x_ld = call.linear ? row_stride(call.head.hidden) : 0;

@@ -10,6 +10,16 @@
 // memory), two more histogram passes narrow the bin to the exact k-th key, the values above it
 // and the lowest-id values equal to it are collected, and a block (or, for k beyond shared
 // memory, a segmented device sort) orders them. Typical rows read the logits twice.
+//
+// From the statistics product (row_stats_product.cuh), for k up to kTopkFromProductMaxK: the
+// product keeps each row's kTopkCandidatesPerTile largest logits of every 128-column tile, and
+// one block per row selects the k largest of those in shared memory (a radix select over the
+// 64-bit composites, then a sort of the few left). The top k of the row are among them unless a
+// tile holds more of them than it kept: exactly when a tile's last kept value is itself
+// selected. Such tiles (rare: at k 64 and a 1002-tile row, a tile holds 4 of the top k with
+// probability ~1e-6 for unordered logits; common only when many logits tie) are recomputed in
+// full, each logit a dot product of the row with a row of W in f32, and merged in. No logits
+// are written; the lse for full-vocabulary probabilities comes from the product's partials.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,6 +28,7 @@
 
 #include "core/row_math.hpp"
 #include "cuda/common.cuh"
+#include "cuda/row_stats_product.cuh"
 #include "lmloss/lmloss.h"
 
 namespace lmloss::cuda {
@@ -41,6 +52,31 @@ struct TopkRowsArgs {
   uint64_t* sorted_scratch = nullptr;  // (rows, k) when k > topk_shared_capacity(): set from scratch
   float* lse_scratch = nullptr;        // (rows): each row's lse, kept between the selection and the sort
 };
+
+// From the statistics product's kept logits (see above).
+constexpr int64_t kTopkFromProductMaxK = 128;
+
+struct TopkCandidatesArgs {
+  TopkRowsArgs select;            // row0, rows, vocab, k and the outputs (logits, bias, scale unused)
+  const uint64_t* candidates = nullptr;  // (rows, candidates_ld): the product's, per column tile
+  int64_t candidates_ld = 0;
+  int64_t tiles = 0;              // column tiles of the vocabulary
+  const float4* partial = nullptr;  // (rows, partial_ld): the product's statistics (for the lse)
+  int64_t partial_ld = 0;
+  // The head, for the tiles recomputed in full; s = (x . w) * inv_temperature.
+  lmloss_dtype dtype = LMLOSS_BF16;  // bf16 or f16
+  const void* hidden = nullptr;      // (n_tokens, hidden_size) from token 0, stride hidden_ld
+  int64_t hidden_ld = 0;
+  const void* weight = nullptr;      // (vocab, hidden_size), stride weight_ld
+  int64_t weight_ld = 0;
+  int64_t hidden_size = 0;           // a multiple of 8, rows 16-byte aligned
+  float inv_temperature = 1;
+};
+
+// Whether k and the vocabulary suit the selection from the product's kept logits: k at most
+// kTopkFromProductMaxK and at most what the whole tiles keep, the candidates within shared memory.
+bool topk_from_candidates_supported(int64_t vocab, int64_t k);
+lmloss_status launch_topk_from_candidates(const TopkCandidatesArgs& args, cudaStream_t stream);
 
 // The largest k sorted in shared memory; beyond it the selection goes through device memory.
 int64_t topk_shared_capacity();

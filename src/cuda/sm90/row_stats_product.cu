@@ -27,6 +27,7 @@
 #include "core/context.hpp"
 #include "cuda/common.cuh"
 #include "cuda/row_stats_product.cuh"
+#include "cuda/topk_keys.cuh"
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -54,12 +55,15 @@ struct RowStatsOut {
   float* label_s;                  // (rows)
   Element* shifted;                // (rows, shifted_ld) or null
   int64_t shifted_ld;
+  uint64_t* candidates;            // (rows, candidates_ld): with kCandidates
+  int64_t candidates_ld;
 };
 
 // A collective epilogue in the interface of CUTLASS's register-only ones (wrapped for the sm_90
 // kernels by Sm90TmaWarpSpecializedAdapter): it stores the tile's statistics and, if asked, its
-// shifted logits.
-template <typename Element>
+// shifted logits; kCandidates (a kernel of its own, so the loss's keeps its registers) also each
+// row's kTopkCandidatesPerTile largest logits of the tile.
+template <typename Element, bool kCandidates>
 class RowStatsEpilogue {
  public:
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
@@ -199,6 +203,7 @@ class RowStatsEpilogue {
     };
     if ((n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) statistics(cute::false_type{});
     else statistics(cute::true_type{});
+    if constexpr (kCandidates) store_candidates(z, thread_coords, row_of, rows, vocab, n_tile, thread_idx);
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kSlots; ++k) {
       row_max[k] *= inv_t;
@@ -221,6 +226,65 @@ class RowStatsEpilogue {
   // The shifted logit s - max s of a logit z whose row's tile max is max_z: (z - max_z) / T.
   CUTLASS_DEVICE Element shifted(float z, float max_z) const {
     return Element((z - max_z) * params_.inv_temperature);
+  }
+
+  // (hi, lo) = (max, min) of the two.
+  CUTLASS_DEVICE static void exchange(uint64_t& hi, uint64_t& lo) {
+    const uint64_t a = hi > lo ? hi : lo, b = hi > lo ? lo : hi;
+    hi = a;
+    lo = b;
+  }
+
+  // Inserts composite c into a descending list if it is among the list's largest.
+  template <int kKept>
+  CUTLASS_DEVICE static void keep_best(uint64_t (&list)[kKept], uint64_t c) {
+    if (c <= list[kKept - 1]) return;
+    list[kKept - 1] = c;
+    CUTLASS_PRAGMA_UNROLL
+    for (int b = kKept - 1; b > 0; --b) {
+      exchange(list[b - 1], list[b]);
+    }
+  }
+
+  // Each row's kTopkCandidatesPerTile largest (s, column) of the tile, a row at a time (one list
+  // in registers): the thread's 32 columns, then the quad's four lists merged, written by the
+  // quad's first lane. Each merge round takes the top half of two descending lists: the
+  // elementwise max of one and the other reversed is that half, bitonic, which two
+  // compare-exchange steps sort. Both partners compute the same list, whatever the lane.
+  template <class Z, class Coords, int kSlots>
+  CUTLASS_DEVICE void store_candidates(Z const& z, Coords const& thread_coords, const int (&row_of)[kSlots], int rows,
+                                       int vocab, int n_tile, int thread_idx) const {
+    constexpr int kKept = int(kTopkCandidatesPerTile);
+    static_assert(kKept == 4, "the merge network below is for four");
+    const float inv_t = params_.inv_temperature;
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kSlots; ++k) {
+      uint64_t l[kKept] = {0, 0, 0, 0};  // descending; 0 = empty
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(z); ++i) {
+        const int col = get<1>(thread_coords(i));
+        if (row_slot<decltype(z.layout())>(i) != k || col >= vocab) continue;
+        keep_best(l, composite(order_key(z(i) * inv_t), col));
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int lane_mask = 1; lane_mask <= 2; lane_mask <<= 1) {
+        uint64_t other[kKept];
+        CUTLASS_PRAGMA_UNROLL
+        for (int b = 0; b < kKept; ++b) other[b] = __shfl_xor_sync(0xffffffffu, l[b], lane_mask);
+        CUTLASS_PRAGMA_UNROLL
+        for (int b = 0; b < kKept; ++b) l[b] = l[b] > other[kKept - 1 - b] ? l[b] : other[kKept - 1 - b];
+        exchange(l[0], l[2]);
+        exchange(l[1], l[3]);
+        exchange(l[0], l[1]);
+        exchange(l[2], l[3]);
+      }
+      if ((thread_idx & 3) == 0 && row_of[k] < rows) {
+        auto* out = reinterpret_cast<ulonglong2*>(params_.candidates + int64_t(row_of[k]) * params_.candidates_ld +
+                                                  int64_t(n_tile) * kKept);
+        out[0] = make_ulonglong2(l[0], l[1]);
+        out[1] = make_ulonglong2(l[2], l[3]);
+      }
+    }
   }
 
   // Which of the thread's rows accumulator element i belongs to.
@@ -276,11 +340,12 @@ class RowStatsEpilogue {
   Params params_;
 };
 
-template <typename Element>
+template <typename Element, bool kCandidates>
 struct RowStatsGemm {
   using TileShape = Shape<_128, Int<int(kRowStatsTileColumns)>, _64>;
   using ClusterShape = Shape<_2, _1, _1>;
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<Element>>;
+  using Epilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<Element, kCandidates>>;
   // A = X (rows, hidden) row-major; B = W (vocab, hidden): K-major, CUTLASS's column-major B.
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8, Element,
@@ -291,12 +356,20 @@ struct RowStatsGemm {
                                                       cutlass::gemm::PersistentScheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(size<1>(TileShape{}) == kRowStatsTileColumns, "one partial per column tile");
-  static_assert(size<0>(TileShape{}) == RowStatsEpilogue<Element>::kTileRows, "the staging buffer's rows");
+  static_assert(size<0>(TileShape{}) == RowStatsEpilogue<Element, kCandidates>::kTileRows, "the staging buffer's rows");
 
   static typename Device::Arguments arguments(const RowStatsProductArgs& a) {
-    const RowStatsOut<Element> out{a.inv_temperature, a.labels,   a.labels_dtype,
-                                   a.row0,            a.partial,  a.partial_ld,
-                                   a.label_s,         static_cast<Element*>(a.shifted), a.shifted_ld};
+    const RowStatsOut<Element> out{a.inv_temperature,
+                                   a.labels,
+                                   a.labels_dtype,
+                                   a.row0,
+                                   a.partial,
+                                   a.partial_ld,
+                                   a.label_s,
+                                   static_cast<Element*>(a.shifted),
+                                   a.shifted_ld,
+                                   a.candidates,
+                                   a.candidates_ld};
     return {cutlass::gemm::GemmUniversalMode::kGemm,
             {int(a.rows), int(a.vocab), int(a.hidden_size), 1},
             {static_cast<const Element*>(a.hidden), {a.hidden_ld, Int<1>{}, int64_t(0)},
@@ -340,6 +413,14 @@ bool is_sm90(int device) {
   return yes;
 }
 
+// The kernel for the args' dtype and outputs: f(RowStatsGemm<...>{}).
+template <typename F>
+auto with_gemm(const RowStatsProductArgs& args, F&& f) {
+  if (args.dtype == LMLOSS_F16)
+    return args.candidates ? f(RowStatsGemm<cutlass::half_t, true>{}) : f(RowStatsGemm<cutlass::half_t, false>{});
+  return args.candidates ? f(RowStatsGemm<cutlass::bfloat16_t, true>{}) : f(RowStatsGemm<cutlass::bfloat16_t, false>{});
+}
+
 }  // namespace
 
 bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hidden, int64_t hidden_ld,
@@ -351,17 +432,14 @@ bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hid
 }
 
 size_t row_stats_product_workspace(const RowStatsProductArgs& args) {
-  const size_t bytes = args.dtype == LMLOSS_F16 ? RowStatsGemm<cutlass::half_t>::workspace(args)
-                                                : RowStatsGemm<cutlass::bfloat16_t>::workspace(args);
+  const size_t bytes = with_gemm(args, [&](auto gemm) { return decltype(gemm)::workspace(args); });
   return (bytes + 255) / 256 * 256;
 }
 
 lmloss_status run_row_stats_product(const RowStatsProductArgs& args, void* workspace, cudaStream_t stream) {
-  switch (args.dtype) {
-    case LMLOSS_BF16: return RowStatsGemm<cutlass::bfloat16_t>::run(args, workspace, stream);
-    case LMLOSS_F16: return RowStatsGemm<cutlass::half_t>::run(args, workspace, stream);
-    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "row statistics product: bf16 or f16 only");
-  }
+  if (args.dtype != LMLOSS_BF16 && args.dtype != LMLOSS_F16)
+    return core::fail(LMLOSS_ERROR_UNSUPPORTED, "row statistics product: bf16 or f16 only");
+  return with_gemm(args, [&](auto gemm) { return decltype(gemm)::run(args, workspace, stream); });
 }
 
 }  // namespace lmloss::cuda

@@ -1,0 +1,30 @@
+// The keys top-k selection sorts by, shared by the selection kernels and the statistics product's
+// epilogue (which keeps each column tile's best few): a scaled logit as an order-preserving
+// 32-bit key, and that key with the column's id as one 64-bit composite whose descending order
+// is the top-k order (value descending, ties to the lower id). Composites of distinct ids are
+// distinct; 0 is below every composite of a real value and marks an empty slot.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace lmloss::cuda {
+
+// Larger float -> larger unsigned key.
+__device__ __forceinline__ uint32_t order_key(float s) {
+  const uint32_t u = __float_as_uint(s);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+__device__ __forceinline__ uint64_t composite(uint32_t key, int64_t id) {
+  return (static_cast<uint64_t>(key) << 32) | static_cast<uint32_t>(0xffffffffu - static_cast<uint32_t>(id));
+}
+__device__ __forceinline__ int32_t composite_id(uint64_t c) {
+  return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(c & 0xffffffffu));
+}
+__device__ __forceinline__ float composite_value(uint64_t c) { return key_value(static_cast<uint32_t>(c >> 32)); }
+
+}  // namespace lmloss::cuda
