@@ -307,7 +307,8 @@ TEST_F(Cuda, DistillationFromTheProductMatchesReference) {
 // column tile: against the reference at odd shapes (one token, a vocabulary of two whole tiles
 // and one more column, 50021; strided rows) for k from 1 to the path's largest, renormalised or
 // with the tail, at two temperatures; bitwise on a second run. Its workspace shows the path: a
-// few dozen bytes per row and tile, no logits chunk and no cuBLASLt workspace.
+// few dozen bytes per row and tile, no logits chunk and no cuBLASLt workspace; token chunks (a
+// smaller budget) as well.
 TEST_F(Cuda, TopkFromTheProductMatchesReference) {
   if (!statistics_product_expected())
     GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
@@ -343,6 +344,14 @@ TEST_F(Cuda, TopkFromTheProductMatchesReference) {
           ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
           EXPECT_EQ(ids, tc.ids.ids());
           EXPECT_TRUE(bitwise_equal(probs, tc.probs.values()));
+          if (shape.n_tokens >= 300) {  // chunks of about a third of the tokens
+            SCOPED_TRACE("chunked");
+            lmloss::Context chunked;
+            chunked.set_workspace_budget(size_t(shape.n_tokens / 3) * tiles * 48 + (size_t(64) << 10));
+            ASSERT_EQ(tc.run(chunked.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+            expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
+            EXPECT_LE(chunked.peak_workspace(), chunked.workspace_budget());
+          }
         }
       }
     }
