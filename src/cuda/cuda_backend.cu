@@ -385,7 +385,7 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
 
 enum TopkPiece {
   kTopkLogits, kTopkMatmulWs, kTopkSort, kTopkScalars, kTopkLse, kTopkBias,
-  kTopkCandidates, kTopkPartials, kTopkProductWs, kTopkPieces
+  kTopkCandidates, kTopkSeconds, kTopkPartials, kTopkProductWs, kTopkPieces
 };
 
 struct TopkPlan {
@@ -404,6 +404,7 @@ TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
     p.from_product = true;
     const size_t tiles = size_t(row_stats_tiles(call.vocab));
     pc[kTopkCandidates] = {0, sizeof(uint64_t) * kTopkCandidatesPerTile * tiles, 256};
+    pc[kTopkSeconds] = {0, sizeof(uint32_t) * kTopkCandidatesPerTile * tiles, 256};
     pc[kTopkPartials] = {0, sizeof(float4) * tiles, 256};
     const int64_t row_limit = std::min(call.n_tokens, kProductDimLimit);
     pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
@@ -763,6 +764,7 @@ class CudaBackend final : public core::Backend {
     if (plan.from_product) {
       TopkCandidatesArgs c;
       c.candidates = static_cast<const uint64_t*>(piece(kTopkCandidates));
+      c.seconds = static_cast<const uint32_t*>(piece(kTopkSeconds));
       c.tiles = row_stats_tiles(call.vocab);
       c.candidates_ld = c.tiles * kTopkCandidatesPerTile;
       c.partial = static_cast<const float4*>(piece(kTopkPartials));
@@ -779,6 +781,7 @@ class CudaBackend final : public core::Backend {
         RowStatsProductArgs product = row_stats_args(call, rows, row0);
         product.partial = static_cast<float4*>(piece(kTopkPartials));
         product.candidates = static_cast<uint64_t*>(piece(kTopkCandidates));
+        product.seconds = static_cast<uint32_t*>(piece(kTopkSeconds));
         product.candidates_ld = c.candidates_ld;
         LMLOSS_CHECK(run_row_stats_product(product, piece(kTopkProductWs), stream));
         c.select = a;

@@ -4,8 +4,10 @@
 //   partial[r, t] = (max_j s_rj, sum_j exp(s_rj - max), sum_j s_rj) over column tile t
 //   label_s[r]    = s_r,label[r]  (written by the one thread that holds that column)
 //   shifted[r, j] = s_rj - partial[r, j / kRowStatsTileColumns].x, in the inputs' dtype (optional)
-//   candidates[r, t * kTopkCandidatesPerTile + i] = the i-th largest (s_rj, j) of column tile t as
-//                   a top-k composite (topk_keys.cuh), descending; 0 past the vocabulary (optional)
+//   candidates[r, t * kTopkCandidatesPerTile + g] = the largest (s_rj, j) of column group g of tile t
+//                   (columns 128 t + 8 i + 2 g + e, i < 16, e < 2) as a top-k composite (topk_keys.cuh),
+//                   0 for none; seconds[r, same] = the group's second-largest s as an order key, 0 for
+//                   none (optional, both)
 //
 // The logits of a forward-only call are needed for nothing but these, so they stay in the
 // product's f32 accumulators: no logits chunk is written or read back (a 4-byte write and read
@@ -16,9 +18,9 @@
 // statistics (lse, s at the label) stay exact, and since s - max is near 0 where the softmax is
 // large, its 16-bit rounding costs the gradient least where it matters (a bf16 logit of 20 is
 // off by up to 0.04, a shifted one of -0.5 by 0.001). A top-k call has the product keep each
-// row's few largest values of every column tile instead, exact (the accumulators' own), so its
-// selection reads 32 bytes per row and tile instead of a 512-byte f32 logits row segment written
-// and read back (topk.cuh). Heads with a bias or soft-capping keep the cuBLASLt path: their
+// row's largest and second-largest value of every 32-column group instead, exact (the
+// accumulators' own), so its selection reads 48 bytes per row and tile instead of a 512-byte f32
+// logits row segment written and read back (topk.cuh). Heads with a bias or soft-capping keep the cuBLASLt path: their
 // per-logit work belongs in the memory-bound row kernel, not between the product's main loops.
 // Built with CUTLASS for sm_90a when its headers were found at configure time
 // (LMLOSS_ROW_STATS_PRODUCT); elsewhere row_stats_product_supported() is false and the loss takes
@@ -37,8 +39,10 @@ namespace lmloss::cuda {
 // Columns per partial: the product's tile width.
 constexpr int64_t kRowStatsTileColumns = 128;
 
-// Largest logits kept per row and column tile for top-k.
+// Column groups of a tile for top-k, each the 32 columns one thread of a quad holds: each keeps its
+// largest logit (a candidate) and its second-largest value.
 constexpr int64_t kTopkCandidatesPerTile = 4;
+constexpr int64_t kTopkGroupColumns = kRowStatsTileColumns / kTopkCandidatesPerTile;
 
 inline int64_t row_stats_tiles(int64_t vocab) {
   return (vocab + kRowStatsTileColumns - 1) / kRowStatsTileColumns;
@@ -61,6 +65,7 @@ struct RowStatsProductArgs {
   void* shifted = nullptr;           // (rows, shifted_ld) of dtype, optional; shifted_ld even
   int64_t shifted_ld = 0;
   uint64_t* candidates = nullptr;    // (rows, candidates_ld >= kTopkCandidatesPerTile * tiles), optional
+  uint32_t* seconds = nullptr;       // (rows, candidates_ld), with candidates
   int64_t candidates_ld = 0;
 };
 

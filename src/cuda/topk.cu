@@ -245,9 +245,9 @@ __global__ void segment_offsets_kernel(int64_t* offsets, int64_t rows, int64_t k
 // ---- selection from the statistics product's kept logits (see topk.cuh) ----------------------
 
 constexpr int kMergeCapacity = 1024;  // composites sorted at once: the top k and fresh candidates
-constexpr int kRecomputeTiles = int((kMergeCapacity - kTopkFromProductMaxK) / kRowStatsTileColumns);
+constexpr int kRecomputeGroups = int((kMergeCapacity - kTopkFromProductMaxK) / kTopkGroupColumns);
 constexpr int kMaxCandidates = kCapacity;
-static_assert(kRecomputeTiles >= 1, "room to merge at least one recomputed tile");
+static_assert(kRecomputeGroups >= 1, "room to merge at least one recomputed group");
 
 struct SelectShared {
   uint64_t merge[kMergeCapacity];
@@ -315,14 +315,14 @@ __device__ float warp_dot(const T* x, const T* w, int64_t h) {
 
 template <typename T>
 __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const TopkCandidatesArgs a) {
-  extern __shared__ uint64_t candidates[];  // (n) of the row, then (tiles) flagged tile ids
+  extern __shared__ uint64_t candidates[];  // (n) of the row
   __shared__ SelectShared sh;
   __shared__ float2 maxsum_scratch[32];
   __shared__ float sum_scratch[32];
+  __shared__ int flagged[kTopkFromProductMaxK];  // only selected groups are flagged: at most k
   __shared__ int flagged_count;
   const int n = int(a.tiles * kTopkCandidatesPerTile);
   const int k = int(a.select.k);
-  int* flagged = reinterpret_cast<int*>(candidates + n);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
 
   for (int64_t r = blockIdx.x; r < a.select.rows; r += gridDim.x) {
@@ -333,27 +333,29 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
     __syncthreads();
     select_top(candidates, n, k, sh);
 
-    // Tiles whose last kept logit is selected may hold more of the top k than they kept.
+    // A selected group whose second-largest value reaches the k-th may hold more of the top k.
     const uint64_t kth = sh.merge[k - 1];
-    for (int tile = threadIdx.x; tile < a.tiles; tile += blockDim.x) {
-      const uint64_t last = candidates[tile * kTopkCandidatesPerTile + kTopkCandidatesPerTile - 1];
-      if (last != 0 && last >= kth) flagged[atomicAdd(&flagged_count, 1)] = tile;
-    }
+    const uint32_t kth_key = uint32_t(kth >> 32);
+    const uint32_t* seconds = a.seconds + r * a.candidates_ld;
+    for (int g = threadIdx.x; g < n; g += blockDim.x)
+      if (candidates[g] != 0 && candidates[g] >= kth && seconds[g] >= kth_key) flagged[atomicAdd(&flagged_count, 1)] = g;
     __syncthreads();
     const int n_flagged = flagged_count;
     if (n_flagged > 0) {
-      // The top k of every other tile's kept logits, then each flagged tile's logits merged in.
-      for (int f = threadIdx.x; f < n_flagged; f += blockDim.x)
-        for (int b = 0; b < kTopkCandidatesPerTile; ++b) candidates[flagged[f] * kTopkCandidatesPerTile + b] = 0;
+      // The top k of every other group's largest, then each flagged group's logits merged in.
+      for (int f = threadIdx.x; f < n_flagged; f += blockDim.x) candidates[flagged[f]] = 0;
       __syncthreads();
       select_top(candidates, n, k, sh);
       const T* x = static_cast<const T*>(a.hidden) + t * a.hidden_ld;
       const T* w = static_cast<const T*>(a.weight);
-      for (int f0 = 0; f0 < n_flagged; f0 += kRecomputeTiles) {
-        const int tiles_now = min(kRecomputeTiles, n_flagged - f0);
-        const int columns = tiles_now * int(kRowStatsTileColumns);
+      for (int f0 = 0; f0 < n_flagged; f0 += kRecomputeGroups) {
+        const int groups_now = min(kRecomputeGroups, n_flagged - f0);
+        const int columns = groups_now * int(kTopkGroupColumns);
         for (int c = warp; c < columns; c += warps) {
-          const int64_t j = int64_t(flagged[f0 + c / kRowStatsTileColumns]) * kRowStatsTileColumns + c % kRowStatsTileColumns;
+          // Column i of group g of tile t: 128 t + 8 (i / 2) + 2 g + i % 2 (row_stats_product.cuh).
+          const int group = flagged[f0 + c / kTopkGroupColumns], i = c % kTopkGroupColumns;
+          const int64_t j = int64_t(group / kTopkCandidatesPerTile) * kRowStatsTileColumns + 8 * (i / 2) +
+                            2 * (group % kTopkCandidatesPerTile) + i % 2;
           uint64_t key = 0;
           if (j < a.select.vocab) {
             const float s = warp_dot(x, w + j * a.weight_ld, a.hidden_size) * a.inv_temperature;
@@ -417,10 +419,9 @@ lmloss_status launch_topk_from_candidates(const TopkCandidatesArgs& a, cudaStrea
   if (a.dtype != LMLOSS_BF16 && a.dtype != LMLOSS_F16)
     return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k from the product: bf16 or f16 only");
   auto launch = [&](auto kernel) -> lmloss_status {
-    const size_t shared = size_t(a.tiles) * (kTopkCandidatesPerTile * sizeof(uint64_t) + sizeof(int));
-    static const cudaError_t attribute =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(kMaxCandidates * (sizeof(uint64_t) + sizeof(int) / kTopkCandidatesPerTile)));
+    const size_t shared = size_t(a.tiles) * kTopkCandidatesPerTile * sizeof(uint64_t);
+    static const cudaError_t attribute = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kMaxCandidates * sizeof(uint64_t)));
     if (attribute != cudaSuccess)
       return core::fail(LMLOSS_ERROR_BACKEND, std::string("topk shared memory: ") + cudaGetErrorString(attribute));
     kernel<<<row_grid(a.select.rows), kTopkThreads, shared, stream>>>(a);

@@ -12,12 +12,13 @@
 // memory, a segmented device sort) orders them. Typical rows read the logits twice.
 //
 // From the statistics product (row_stats_product.cuh), for k up to kTopkFromProductMaxK: the
-// product keeps each row's kTopkCandidatesPerTile largest logits of every 128-column tile, and
-// one block per row selects the k largest of those in shared memory (a radix select over the
+// product keeps, for each row and each 32-column group of a tile (the columns one thread of a
+// quad holds), the group's largest logit as a candidate and its second-largest value, and one
+// block per row selects the k largest candidates in shared memory (a radix select over the
 // 64-bit composites, then a sort of the few left). The top k of the row are among them unless a
-// tile holds more of them than it kept: exactly when a tile's last kept value is itself
-// selected. Such tiles (rare: at k 64 and a 1002-tile row, a tile holds 4 of the top k with
-// probability ~1e-6 for unordered logits; common only when many logits tie) are recomputed in
+// group holds two or more of them: then that group is selected and its second value reaches the
+// selection's k-th (the k-th of a subset is at most the true k-th). Such groups (at k 64 and a
+// 4008-group row, about one a row for unordered logits; many where logits tie) are recomputed in
 // full, each logit a dot product of the row with a row of W in f32, and merged in. No logits
 // are written; the lse for full-vocabulary probabilities comes from the product's partials.
 #pragma once
@@ -58,7 +59,8 @@ constexpr int64_t kTopkFromProductMaxK = 128;
 
 struct TopkCandidatesArgs {
   TopkRowsArgs select;            // row0, rows, vocab, k and the outputs (logits, bias, scale unused)
-  const uint64_t* candidates = nullptr;  // (rows, candidates_ld): the product's, per column tile
+  const uint64_t* candidates = nullptr;  // (rows, candidates_ld): the product's, per column group
+  const uint32_t* seconds = nullptr;     // (rows, candidates_ld): the product's, per column group
   int64_t candidates_ld = 0;
   int64_t tiles = 0;              // column tiles of the vocabulary
   const float4* partial = nullptr;  // (rows, partial_ld): the product's statistics (for the lse)

@@ -56,13 +56,14 @@ struct RowStatsOut {
   Element* shifted;                // (rows, shifted_ld) or null
   int64_t shifted_ld;
   uint64_t* candidates;            // (rows, candidates_ld): with kCandidates
+  uint32_t* seconds;               // (rows, candidates_ld): with kCandidates
   int64_t candidates_ld;
 };
 
 // A collective epilogue in the interface of CUTLASS's register-only ones (wrapped for the sm_90
 // kernels by Sm90TmaWarpSpecializedAdapter): it stores the tile's statistics and, if asked, its
 // shifted logits; kCandidates (a kernel of its own, so the loss's keeps its registers) also each
-// row's kTopkCandidatesPerTile largest logits of the tile.
+// row's largest and second-largest logit of every column group (a thread's 32 columns).
 template <typename Element, bool kCandidates>
 class RowStatsEpilogue {
  public:
@@ -177,7 +178,7 @@ class RowStatsEpilogue {
         row_sum[k] += exp2f((z(i) - row_max[k]) * to_log2);
         row_sum_s[k] += z(i);
       }
-      if (!params_.shifted) return;
+      if (kCandidates || !params_.shifted) return;  // top-k stores no logits
       if constexpr (!decltype(ragged)::value) {
         store_shifted_staged(z, thread_coords, row_max, rows, m_tile, n_tile, thread_idx, shared);
       } else {
@@ -203,7 +204,10 @@ class RowStatsEpilogue {
     };
     if ((n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) statistics(cute::false_type{});
     else statistics(cute::true_type{});
-    if constexpr (kCandidates) store_candidates(z, thread_coords, row_of, rows, vocab, n_tile, thread_idx);
+    if constexpr (kCandidates) {
+      if ((n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) store_candidates<false>(z, thread_coords, row_of, rows, vocab, n_tile);
+      else store_candidates<true>(z, thread_coords, row_of, rows, vocab, n_tile);
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kSlots; ++k) {
       row_max[k] *= inv_t;
@@ -228,62 +232,44 @@ class RowStatsEpilogue {
     return Element((z - max_z) * params_.inv_temperature);
   }
 
-  // (hi, lo) = (max, min) of the two.
-  CUTLASS_DEVICE static void exchange(uint64_t& hi, uint64_t& lo) {
-    const uint64_t a = hi > lo ? hi : lo, b = hi > lo ? lo : hi;
-    hi = a;
-    lo = b;
-  }
-
-  // Inserts composite c into a descending list if it is among the list's largest.
-  template <int kKept>
-  CUTLASS_DEVICE static void keep_best(uint64_t (&list)[kKept], uint64_t c) {
-    if (c <= list[kKept - 1]) return;
-    list[kKept - 1] = c;
-    CUTLASS_PRAGMA_UNROLL
-    for (int b = kKept - 1; b > 0; --b) {
-      exchange(list[b - 1], list[b]);
-    }
-  }
-
-  // Each row's kTopkCandidatesPerTile largest (s, column) of the tile, a row at a time (one list
-  // in registers): the thread's 32 columns, then the quad's four lists merged, written by the
-  // quad's first lane. Each merge round takes the top half of two descending lists: the
-  // elementwise max of one and the other reversed is that half, bitonic, which two
-  // compare-exchange steps sort. Both partners compute the same list, whatever the lane.
-  template <class Z, class Coords, int kSlots>
+  // Each row's largest logit of every column group (the 32 columns of the tile that one thread
+  // of the quad holds: 8 j + 2 g + e) as a top-k composite, and the order key of the group's
+  // second-largest beside it; 0 for none. One pass over the accumulators, two comparisons per
+  // logit, no shuffles: every thread writes its own group's pair. Compared before the scaling by
+  // 1/T > 0, which keeps the order; equal values go to the lower column, as in the top-k order.
+  template <bool kRagged, class Z, class Coords, int kSlots>
   CUTLASS_DEVICE void store_candidates(Z const& z, Coords const& thread_coords, const int (&row_of)[kSlots], int rows,
-                                       int vocab, int n_tile, int thread_idx) const {
-    constexpr int kKept = int(kTopkCandidatesPerTile);
-    static_assert(kKept == 4, "the merge network below is for four");
-    const float inv_t = params_.inv_temperature;
+                                       int vocab, int n_tile) const {
+    auto slot_of = [](int i) { return row_slot<decltype(z.layout())>(i); };
+    float best[kSlots], second[kSlots];
+    int best_col[kSlots];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kSlots; ++k) {
-      uint64_t l[kKept] = {0, 0, 0, 0};  // descending; 0 = empty
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(z); ++i) {
-        const int col = get<1>(thread_coords(i));
-        if (row_slot<decltype(z.layout())>(i) != k || col >= vocab) continue;
-        keep_best(l, composite(order_key(z(i) * inv_t), col));
+      best[k] = second[k] = -INFINITY;
+      best_col[k] = -1;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(z); ++i) {
+      const int col = get<1>(thread_coords(i));
+      if (kRagged && col >= vocab) continue;
+      const int k = slot_of(i);
+      const float v = z(i);
+      if (v > best[k] || (v == best[k] && col < best_col[k])) {
+        second[k] = best[k];
+        best[k] = v;
+        best_col[k] = col;
+      } else {
+        second[k] = fmaxf(second[k], v);
       }
-      CUTLASS_PRAGMA_UNROLL
-      for (int lane_mask = 1; lane_mask <= 2; lane_mask <<= 1) {
-        uint64_t other[kKept];
-        CUTLASS_PRAGMA_UNROLL
-        for (int b = 0; b < kKept; ++b) other[b] = __shfl_xor_sync(0xffffffffu, l[b], lane_mask);
-        CUTLASS_PRAGMA_UNROLL
-        for (int b = 0; b < kKept; ++b) l[b] = l[b] > other[kKept - 1 - b] ? l[b] : other[kKept - 1 - b];
-        exchange(l[0], l[2]);
-        exchange(l[1], l[3]);
-        exchange(l[0], l[1]);
-        exchange(l[2], l[3]);
-      }
-      if ((thread_idx & 3) == 0 && row_of[k] < rows) {
-        auto* out = reinterpret_cast<ulonglong2*>(params_.candidates + int64_t(row_of[k]) * params_.candidates_ld +
-                                                  int64_t(n_tile) * kKept);
-        out[0] = make_ulonglong2(l[0], l[1]);
-        out[1] = make_ulonglong2(l[2], l[3]);
-      }
+    }
+    const float inv_t = params_.inv_temperature;
+    const int group = (get<1>(thread_coords(0)) % 8) / 2;
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kSlots; ++k) {
+      if (row_of[k] >= rows) continue;
+      const int64_t at = int64_t(row_of[k]) * params_.candidates_ld + int64_t(n_tile) * kTopkCandidatesPerTile + group;
+      params_.candidates[at] = best_col[k] >= 0 ? composite(order_key(best[k] * inv_t), best_col[k]) : 0;
+      params_.seconds[at] = second[k] > -INFINITY ? order_key(second[k] * inv_t) : 0u;
     }
   }
 
@@ -369,6 +355,7 @@ struct RowStatsGemm {
                                    static_cast<Element*>(a.shifted),
                                    a.shifted_ld,
                                    a.candidates,
+                                   a.seconds,
                                    a.candidates_ld};
     return {cutlass::gemm::GemmUniversalMode::kGemm,
             {int(a.rows), int(a.vocab), int(a.hidden_size), 1},
