@@ -207,12 +207,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
       const bool smoothing = weights.label_smoothing != 0.f;
       for_each_in_row(z, V, [&](int64_t j, float v) {
         const float s = scale.apply(bias ? v + bias[j] : v);
-        if (s > acc.max) {
-          acc.sum = acc.sum * expf(acc.max - s) + 1.f;
-          acc.max = s;
-        } else {
-          acc.sum += expf(s - acc.max);
-        }
+        add_to_lse(acc, s);
         sum_s += s;
       });
       acc = block_reduce_maxsum(acc, maxsum_scratch);
