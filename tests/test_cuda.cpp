@@ -253,7 +253,9 @@ TEST_F(Cuda, FusedStepFromTheProductMatchesReference) {
           if (chunked) ctx.set_workspace_budget(budget_for_rows(std::max<int64_t>(shape.n_tokens / 3, 1), shape.vocab));
           ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
           expect_matches_reference(c, Mode::forward_backward);
-          if (!chunked) EXPECT_LT(ctx.peak_workspace(), product_path_workspace_bound(shape.n_tokens, shape.vocab, 0));
+          if (!chunked) {
+            EXPECT_LT(ctx.peak_workspace(), product_path_workspace_bound(shape.n_tokens, shape.vocab, 0));
+          }
           const std::vector<double> first = c.output_values();
           ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
           EXPECT_TRUE(bitwise_equal(first, c.output_values()));
@@ -397,6 +399,61 @@ TEST_F(Cuda, TopkFromTheProductRecomputesGroups) {
       if (!is_tied) {  // the 100 largest are exact and distinct: the first k columns, in order
         for (int64_t t = 0; t < n; ++t)
           for (int64_t i = 0; i < k && i < 100; ++i) ASSERT_EQ(ids[t * k + i], 99 - i) << "token " << t;
+      }
+    }
+  }
+}
+
+// Top-k of long rows, where the selection first gathers what passes a threshold set from a
+// sample of the row (runs of 8 adjacent values, evenly spaced) in one pass: against the
+// reference for rows of random values, ascending and descending ones, rows of a few tied values
+// (more pass than shared memory holds), and a row whose largest values sit exactly where the
+// sample looks (fewer than k pass): both fall back to the histogram passes. Logits in f32 and
+// bf16 and through an f32 head; k from 1 to past where the one pass is tried; renormalised or
+// with the tail; bitwise on a second run.
+TEST_F(Cuda, TopkOfLongRowsFromASampledThreshold) {
+  Generator gen(4017);
+  const int64_t n = 6;
+  for (const int64_t V : {int64_t(20011), int64_t(70001)}) {
+    reference::Problem p = gen.problem({.n_tokens = n, .vocab = V});
+    for (int64_t j = 0; j < V; ++j) {
+      p.logits[1 * V + j] = 8.0 * double(j) / double(V);       // ascending
+      p.logits[2 * V + j] = -8.0 * double(j) / double(V);      // descending
+      p.logits[3 * V + j] = double(j * 7919 % 3);              // three values, thousands of ties
+    }
+    // Row 4: small values, except large distinct ones at every position the sample of 1024
+    // values reads (128 evenly spaced runs of 8), so the sampled threshold lets too few pass.
+    for (int64_t j = 0; j < V; ++j) p.logits[4 * V + j] = -double(j % 97) / 97.0;
+    const int64_t sample = 1024, runs = sample / 8;
+    for (int64_t i = 0; i < sample; ++i) {
+      const int64_t j = (2 * (i / 8) + 1) * V / (2 * runs) / 8 * 8 + i % 8;
+      p.logits[4 * V + j] = 10.0 + double(j) / double(V);
+    }
+    const reference::Problem head = gen.problem({.n_tokens = n, .vocab = V, .hidden = 32});
+    for (const int64_t k : {int64_t(1), int64_t(64), int64_t(2048), int64_t(4500)}) {
+      for (const int renormalize : {1, 0}) {
+        for (const lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+          for (const bool linear : {false, true}) {
+            if (linear && dtype != LMLOSS_F32) continue;  // 16-bit heads take the product's path
+            SCOPED_TRACE(std::string(linear ? "head " : "logits ") + dtype_name(dtype) + " V " + std::to_string(V) +
+                         " k " + std::to_string(k) + " renormalize " + std::to_string(renormalize));
+            lmloss_topk_options o = lmloss_topk_options_default();
+            o.k = k;
+            o.renormalize = renormalize;
+            TopkSetup ts;
+            ts.device = Device::cuda;
+            ts.dtype = dtype;
+            TopkCase tc(linear ? head : p, o, ts);
+            lmloss::Context ctx;
+            ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+            expect_topk_matches_reference(tc, linear ? tolerance(LMLOSS_F32) : 0.0);
+            const std::vector<int64_t> ids = tc.ids.ids();
+            const std::vector<double> probs = tc.probs.values();
+            ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+            EXPECT_EQ(ids, tc.ids.ids());
+            EXPECT_TRUE(bitwise_equal(probs, tc.probs.values()));
+          }
+        }
       }
     }
   }
