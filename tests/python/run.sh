@@ -12,6 +12,7 @@
 #   PYTHON        the interpreter that creates it (default: python3)
 #   CMAKE_ARGS    extra CMake arguments for the build, e.g. -DLMLOSS_CUDA=OFF
 #   CMAKE_BUILD_PARALLEL_LEVEL  build jobs (default: 2)
+#   LMLOSS_TEST_TORCH  0: do not install PyTorch (its tests skip); default 1
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -30,6 +31,11 @@ py="$venv/bin/python"
 # incremental.
 "$py" -m pip install --quiet "scikit-build-core>=0.10" "nanobind>=2.2" "cmake>=3.26" "ninja" \
   "numpy>=1.22" "pytest>=7"
+# PyTorch, so that lmloss.torch's tests (autograd, gradcheck, torch.compile) run on the CPU too;
+# LMLOSS_TEST_TORCH=0 leaves it out, and those tests then skip with the reason.
+if [ "${LMLOSS_TEST_TORCH:-1}" != 0 ]; then
+  "$py" -m pip install --quiet "torch>=2.4"
+fi
 "$py" -m pip install --quiet --no-build-isolation --no-deps \
   -Cbuild-dir="$root/build-python/wheel-$(basename "$venv")" "$root"
 
