@@ -321,8 +321,9 @@ _loss_forward_backward.register_autograd(_backward_forward_backward,
 # ---- Eager calls -------------------------------------------------------------------------------
 # Outside torch.compile the same functions and autograd formulas run through
 # torch.autograd.Function: a custom op's Python dispatch layers (schema defaults, its autograd
-# wrapper, the aliasing checks) took about a millisecond of host time per training step, all of it
-# before the step's first kernel (cProfile of lmloss.torch at llama3-8b on an H200 machine).
+# wrapper, the aliasing checks) are host time before a step's first kernel. On a small CPU case
+# the fused forward's host time was 287 us through the custom op, 78 through the Function, 54 for
+# the library call alone.
 
 
 class _EagerForward(torch.autograd.Function):
