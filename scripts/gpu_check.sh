@@ -86,6 +86,12 @@ if has_stage sanitizer; then
     run timeout 240 "$SAN" --tool $tool --error-exitcode 9 "$BUILD/tests/test_cuda" --gtest_filter="$filter" \
       > "$OUT/sanitizer_$tool.log" 2>&1
     rc=$?
+    # Past the time limit: stop whatever is left of the target too, so that nothing after this
+    # shares the device with it (a racecheck left running once doubled a benchmark's floors).
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+      pkill -KILL -f "$BUILD/tests/test_cuda" 2>/dev/null
+      note "sanit.  $tool ran past its 240 s and was stopped"
+    fi
     note "sanit.  $tool rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
     [ $rc -ne 0 ] && FAILED=1
   done
