@@ -85,8 +85,9 @@ template <typename T> struct Vec {
 // Calls f(j, value) for every j in [0, n) of row `row`, each thread a strided share, with 16-byte
 // loads over the aligned middle of the row and scalar loads at its ragged ends. The loads of
 // kLoadsInFlight of a thread's vectors are issued before any is used: one block streams a row, and
-// with one 16-byte load per thread waiting at a time top-k's read 1.7 TB/s on an H200, which a few
-// in flight per thread should lift towards the memory's rate. Each thread still sees its values in order.
+// with one 16-byte load per thread waiting at a time top-k's rows kernel read 1.7 TB/s on an H200
+// (0.585 ms for 1920 rows of 128256 f32 logits at k 129; 0.48 ms with four in flight). Each
+// thread still sees its values in order.
 constexpr int kLoadsInFlight = 4;
 
 template <typename T, typename F>
