@@ -199,6 +199,12 @@ __device__ __forceinline__ MaxSum block_reduce_maxsum(MaxSum v, float2* scratch)
   return r;
 }
 
+// The block's log-sum-exp from each thread's online (max, sum of exp); every thread gets it.
+__device__ __forceinline__ float block_lse(MaxSum v, float2* scratch) {
+  v = block_reduce_maxsum(v, scratch);
+  return v.max + logf(v.sum);
+}
+
 // Blocks for a grid over `rows` rows, each block looping over rows when there are more rows than
 // a grid may hold.
 inline unsigned int row_grid(int64_t rows) {

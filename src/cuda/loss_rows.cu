@@ -199,8 +199,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
         acc = merge(acc, MaxSum{p.x, p.y});
         sum_s += p.z;
       }
-      acc = block_reduce_maxsum(acc, maxsum_scratch);
-      lse = acc.max + logf(acc.sum);
+      lse = block_lse(acc, maxsum_scratch);
       if (weights.label_smoothing != 0.f) sum_s = block_reduce(sum_s, Sum{}, 0.f, sum_scratch);
     } else if (a.work != RowWork::grad_from_lse) {
       MaxSum acc{-INFINITY, 0.f};
@@ -210,8 +209,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
         add_to_lse(acc, s);
         sum_s += s;
       });
-      acc = block_reduce_maxsum(acc, maxsum_scratch);
-      lse = acc.max + logf(acc.sum);
+      lse = block_lse(acc, maxsum_scratch);
       if (smoothing) sum_s = block_reduce(sum_s, Sum{}, 0.f, sum_scratch);
     } else {
       lse = a.lse_in[t];

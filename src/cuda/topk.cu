@@ -119,6 +119,16 @@ __device__ void bitonic_sort_desc(uint64_t* keys, int n) {
   }
 }
 
+// Sorts keys[0, count) descending, zeros padding them to a power of two of at least `at_least`
+// entries (a zero loses to every composite). The caller has synchronised the keys.
+__device__ void sort_desc_padded(uint64_t* keys, int count, int at_least = 1) {
+  int n = 1;
+  while (n < count || n < at_least) n <<= 1;
+  for (int i = count + threadIdx.x; i < n; i += blockDim.x) keys[i] = 0;
+  __syncthreads();
+  bitonic_sort_desc(keys, n);
+}
+
 // ids, probs and tail of token t from its k sorted keys (shared or device memory).
 __device__ void write_output(const TopkRowsArgs& a, int64_t t, const uint64_t* sorted, float lse,
                              float* scratch) {
@@ -178,9 +188,8 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const TopkRowsA
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const int64_t t = a.row0 + r;
     const T* z = static_cast<const T*>(a.logits) + r * a.logits_ld;  // (vocab)
-    auto key_at = [&](int64_t j, float v) {
-      return order_key(a.scale.apply(a.bias ? v + a.bias[j] : v));
-    };
+    auto scaled = [&](int64_t j, float v) { return a.scale.apply(a.bias ? v + a.bias[j] : v); };
+    auto key_at = [&](int64_t j, float v) { return order_key(scaled(j, v)); };
 
     const bool want_lse = !a.renormalize;
 
@@ -201,7 +210,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const TopkRowsA
       __syncthreads();  // every thread has the threshold before the candidates overwrite the sample
       MaxSum acc{-INFINITY, 0.f};
       for_each_in_row(z, V, [&](int64_t j, float v) {
-        const float s = a.scale.apply(a.bias ? v + a.bias[j] : v);
+        const float s = scaled(j, v);
         const uint32_t key = order_key(s);
         if (key >= threshold) {
           const int at = atomicAdd(&count_shared, 1);
@@ -210,18 +219,10 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const TopkRowsA
         if (want_lse) add_to_lse(acc, s);
       });
       __syncthreads();
-      float lse = 0.f;
-      if (want_lse) {
-        acc = block_reduce_maxsum(acc, maxsum_scratch);
-        lse = acc.max + logf(acc.sum);
-      }
+      const float lse = want_lse ? block_lse(acc, maxsum_scratch) : 0.f;
       const int n_candidates = count_shared;
       if (n_candidates >= a.k && n_candidates <= kCapacity) {
-        int n = 1;
-        while (n < n_candidates) n <<= 1;
-        for (int i = n_candidates + threadIdx.x; i < n; i += blockDim.x) candidates[i] = 0;
-        __syncthreads();
-        bitonic_sort_desc(candidates, n);
+        sort_desc_padded(candidates, n_candidates);
         write_output(a, t, candidates, lse, sum_scratch);
         __syncthreads();
         continue;
@@ -234,16 +235,12 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const TopkRowsA
     __syncthreads();
     MaxSum acc{-INFINITY, 0.f};
     for_each_in_row(z, V, [&](int64_t j, float v) {
-      const float s = a.scale.apply(a.bias ? v + a.bias[j] : v);
+      const float s = scaled(j, v);
       atomicAdd(&hist[order_key(s) >> kStages[0].shift], 1);
       if (want_lse) add_to_lse(acc, s);
     });
     __syncthreads();
-    float lse = 0.f;
-    if (want_lse) {
-      acc = block_reduce_maxsum(acc, maxsum_scratch);
-      lse = acc.max + logf(acc.sum);
-    }
+    const float lse = want_lse ? block_lse(acc, maxsum_scratch) : 0.f;
 
     // Narrow the bin of the k-th key until the candidates fit shared memory, or the key is exact.
     uint32_t prefix = 0;
@@ -279,11 +276,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const TopkRowsA
           if ((key >> shift) >= prefix) candidates[atomicAdd(&count_shared, 1)] = composite(key, j);
         });
         __syncthreads();
-        int n = 1;
-        while (n < n_candidates) n <<= 1;
-        for (int i = static_cast<int>(n_candidates) + threadIdx.x; i < n; i += blockDim.x) candidates[i] = 0;
-        __syncthreads();
-        bitonic_sort_desc(candidates, n);
+        sort_desc_padded(candidates, static_cast<int>(n_candidates));
         write_output(a, t, candidates, lse, sum_scratch);
         collected = true;
       }
@@ -321,11 +314,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const TopkRowsA
       __syncthreads();
     }
     if (!large) {
-      int n = 1;
-      while (n < a.k) n <<= 1;
-      for (int i = static_cast<int>(a.k) + threadIdx.x; i < n; i += blockDim.x) candidates[i] = 0;
-      __syncthreads();
-      bitonic_sort_desc(candidates, n);
+      sort_desc_padded(candidates, static_cast<int>(a.k));
       write_output(a, t, candidates, lse, sum_scratch);
     } else if (threadIdx.x == 0) {
       a.lse_scratch[r] = lse;
@@ -397,12 +386,7 @@ __device__ void select_top(const uint64_t* keys, int n, int k, SelectShared& sh)
     if ((shift == 64 || (c >> shift) >= prefix) && !(real_only && c == 0)) sh.merge[atomicAdd(&sh.count, 1)] = c;
   }
   __syncthreads();
-  count = sh.count;
-  int sorted = 1;
-  while (sorted < k || sorted < count) sorted <<= 1;
-  for (int i = count + threadIdx.x; i < sorted; i += blockDim.x) sh.merge[i] = 0;
-  __syncthreads();
-  bitonic_sort_desc(sh.merge, sorted);
+  sort_desc_padded(sh.merge, sh.count, k);
 }
 
 // x . w in f32 over h 16-bit elements (h a multiple of 8, both 16-byte aligned), by one warp; every
@@ -469,11 +453,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
           }
           if (lane == 0) sh.merge[k + c] = key;
         }
-        int sorted = 1;
-        while (sorted < k + columns) sorted <<= 1;
-        for (int i = k + columns + threadIdx.x; i < sorted; i += blockDim.x) sh.merge[i] = 0;
-        __syncthreads();
-        bitonic_sort_desc(sh.merge, sorted);
+        sort_desc_padded(sh.merge, k + columns);
       }
     }
 
@@ -482,8 +462,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
       const float4* partial = a.partial + r * a.partial_ld;
       MaxSum acc{-INFINITY, 0.f};
       for (int64_t i = threadIdx.x; i < a.tiles; i += blockDim.x) acc = merge(acc, MaxSum{partial[i].x, partial[i].y});
-      acc = block_reduce_maxsum(acc, maxsum_scratch);
-      lse = acc.max + logf(acc.sum);
+      lse = block_lse(acc, maxsum_scratch);
     }
     write_output(a.select, t, sh.merge, lse, sum_scratch);
     __syncthreads();
