@@ -405,7 +405,7 @@ TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
     const size_t tiles = size_t(row_stats_tiles(call.vocab));
     pc[kTopkCandidates] = {0, sizeof(uint64_t) * kTopkCandidatesPerTile * tiles, 256};
     pc[kTopkSeconds] = {0, sizeof(uint32_t) * kTopkCandidatesPerTile * tiles, 256};
-    pc[kTopkPartials] = {0, sizeof(float4) * tiles, 256};
+    if (!call.options.renormalize) pc[kTopkPartials] = {0, sizeof(float4) * tiles, 256};  // for the lse
     const int64_t row_limit = std::min(call.n_tokens, kProductDimLimit);
     pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
     p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
@@ -767,7 +767,9 @@ class CudaBackend final : public core::Backend {
       c.seconds = static_cast<const uint32_t*>(piece(kTopkSeconds));
       c.tiles = row_stats_tiles(call.vocab);
       c.candidates_ld = c.tiles * kTopkCandidatesPerTile;
-      c.partial = static_cast<const float4*>(piece(kTopkPartials));
+      // Probabilities renormalised over the k need no lse: the product then keeps no statistics.
+      float4* partials = call.options.renormalize ? nullptr : static_cast<float4*>(piece(kTopkPartials));
+      c.partial = partials;
       c.partial_ld = c.tiles;
       c.dtype = call.input_dtype;
       c.hidden = call.head.hidden.data;
@@ -779,7 +781,7 @@ class CudaBackend final : public core::Backend {
       for (int64_t row0 = 0; row0 < call.n_tokens; row0 += R) {
         const int64_t rows = std::min(R, call.n_tokens - row0);
         RowStatsProductArgs product = row_stats_args(call, rows, row0);
-        product.partial = static_cast<float4*>(piece(kTopkPartials));
+        product.partial = partials;
         product.candidates = static_cast<uint64_t*>(piece(kTopkCandidates));
         product.seconds = static_cast<uint32_t*>(piece(kTopkSeconds));
         product.candidates_ld = c.candidates_ld;

@@ -1,7 +1,8 @@
 // The forward product with each row's softmax statistics taken in its epilogue (sm_90 only).
 //
 //   S = X W^T / T               (rows, vocab), in f32 accumulators
-//   partial[r, t] = (max_j s_rj, sum_j exp(s_rj - max), sum_j s_rj) over column tile t
+//   partial[r, t] = (max_j s_rj, sum_j exp(s_rj - max), sum_j s_rj) over column tile t (with
+//                   candidates: optional, and 0 for the sum of s)
 //   label_s[r]    = s_r,label[r]  (written by the one thread that holds that column)
 //   shifted[r, j] = s_rj - partial[r, j / kRowStatsTileColumns].x, in the inputs' dtype (optional)
 //   candidates[r, t * kTopkCandidatesPerTile + g] = the largest (s_rj, j) of column group g of tile t
@@ -59,7 +60,8 @@ struct RowStatsProductArgs {
   const void* labels = nullptr;      // (n_tokens), optional; row r is token row0 + r
   lmloss_dtype labels_dtype = LMLOSS_I32;
   int64_t row0 = 0;
-  float4* partial = nullptr;         // (rows, partial_ld >= row_stats_tiles(vocab)); .w unused
+  float4* partial = nullptr;         // (rows, partial_ld >= row_stats_tiles(vocab)); .w unused;
+                                     // null: none (with candidates only)
   int64_t partial_ld = 0;
   float* label_s = nullptr;          // (rows)
   void* shifted = nullptr;           // (rows, shifted_ld) of dtype, optional; shifted_ld even

@@ -63,9 +63,14 @@ struct RowStatsOut {
 // A collective epilogue in the interface of CUTLASS's register-only ones (wrapped for the sm_90
 // kernels by Sm90TmaWarpSpecializedAdapter): it stores the tile's statistics and, if asked, its
 // shifted logits; kCandidates (a kernel of its own, so the loss's keeps its registers) also each
-// row's largest and second-largest logit of every column group (a thread's 32 columns).
-template <typename Element, bool kCandidates>
+// row's largest and second-largest logit of every column group (a thread's 32 columns), and then
+// of the statistics only max and sum of exponentials, only with kStatistics (a top-k whose
+// probabilities are renormalised over the k needs no lse, so its epilogue does the candidates
+// alone: every instruction per logit here shows in the product's time).
+template <typename Element, bool kCandidates, bool kStatistics>
 class RowStatsEpilogue {
+  static_assert(kCandidates || kStatistics, "the loss's epilogue keeps the statistics");
+
  public:
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
   using DispatchPolicy = EpilogueSchedule;
@@ -164,7 +169,9 @@ class RowStatsEpilogue {
         const int k = slot_of(i);
         if (!in_vocab(col)) continue;
         row_max[k] = fmaxf(row_max[k], z(i));
-        if (col == label_of[k]) params_.label_s[row_of[k]] = z(i) * inv_t;
+        if constexpr (!kCandidates) {  // top-k has no labels
+          if (col == label_of[k]) params_.label_s[row_of[k]] = z(i) * inv_t;
+        }
       }
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kSlots; ++k) {
@@ -176,7 +183,7 @@ class RowStatsEpilogue {
         if (!in_vocab(get<1>(thread_coords(i)))) continue;
         const int k = slot_of(i);
         row_sum[k] += exp2f((z(i) - row_max[k]) * to_log2);
-        row_sum_s[k] += z(i);
+        if constexpr (!kCandidates) row_sum_s[k] += z(i);  // top-k's lse needs no sum of s
       }
       if (kCandidates || !params_.shifted) return;  // top-k stores no logits
       if constexpr (!decltype(ragged)::value) {
@@ -202,27 +209,31 @@ class RowStatsEpilogue {
         }
       }
     };
-    if ((n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) statistics(cute::false_type{});
-    else statistics(cute::true_type{});
+    if constexpr (kStatistics) {
+      if ((n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) statistics(cute::false_type{});
+      else statistics(cute::true_type{});
+    }
     if constexpr (kCandidates) {
       if ((n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) store_candidates<false>(z, thread_coords, row_of, rows, vocab, n_tile);
       else store_candidates<true>(z, thread_coords, row_of, rows, vocab, n_tile);
     }
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kSlots; ++k) {
-      row_max[k] *= inv_t;
-      row_sum_s[k] *= inv_t;
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kSlots; ++k) {
-#pragma unroll
-      for (int lane_mask = 1; lane_mask <= 2; lane_mask <<= 1) {
-        row_sum[k] += __shfl_xor_sync(0xffffffffu, row_sum[k], lane_mask);
-        row_sum_s[k] += __shfl_xor_sync(0xffffffffu, row_sum_s[k], lane_mask);
+    if constexpr (kStatistics) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kSlots; ++k) {
+        row_max[k] *= inv_t;
+        row_sum_s[k] *= inv_t;
       }
-      if ((thread_idx & 3) == 0 && row_of[k] < rows)
-        params_.partial[int64_t(row_of[k]) * params_.partial_ld + n_tile] =
-            make_float4(row_max[k], row_sum[k], row_sum_s[k], 0.f);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kSlots; ++k) {
+#pragma unroll
+        for (int lane_mask = 1; lane_mask <= 2; lane_mask <<= 1) {
+          row_sum[k] += __shfl_xor_sync(0xffffffffu, row_sum[k], lane_mask);
+          row_sum_s[k] += __shfl_xor_sync(0xffffffffu, row_sum_s[k], lane_mask);
+        }
+        if ((thread_idx & 3) == 0 && row_of[k] < rows)
+          params_.partial[int64_t(row_of[k]) * params_.partial_ld + n_tile] =
+              make_float4(row_max[k], row_sum[k], row_sum_s[k], 0.f);
+      }
     }
   }
 
@@ -326,12 +337,12 @@ class RowStatsEpilogue {
   Params params_;
 };
 
-template <typename Element, bool kCandidates>
+template <typename Element, bool kCandidates, bool kStatistics>
 struct RowStatsGemm {
   using TileShape = Shape<_128, Int<int(kRowStatsTileColumns)>, _64>;
   using ClusterShape = Shape<_2, _1, _1>;
   using Epilogue =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<Element, kCandidates>>;
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<Element, kCandidates, kStatistics>>;
   // A = X (rows, hidden) row-major; B = W (vocab, hidden): K-major, CUTLASS's column-major B.
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8, Element,
@@ -342,7 +353,7 @@ struct RowStatsGemm {
                                                       cutlass::gemm::PersistentScheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(size<1>(TileShape{}) == kRowStatsTileColumns, "one partial per column tile");
-  static_assert(size<0>(TileShape{}) == RowStatsEpilogue<Element, kCandidates>::kTileRows, "the staging buffer's rows");
+  static_assert(size<0>(TileShape{}) == RowStatsEpilogue<Element, kCandidates, kStatistics>::kTileRows, "the staging buffer's rows");
 
   static typename Device::Arguments arguments(const RowStatsProductArgs& a) {
     const RowStatsOut<Element> out{a.inv_temperature,
@@ -401,11 +412,14 @@ bool is_sm90(int device) {
 }
 
 // The kernel for the args' dtype and outputs: f(RowStatsGemm<...>{}).
+template <typename Element, typename F>
+auto with_outputs(const RowStatsProductArgs& args, F&& f) {
+  if (!args.candidates) return f(RowStatsGemm<Element, false, true>{});
+  return args.partial ? f(RowStatsGemm<Element, true, true>{}) : f(RowStatsGemm<Element, true, false>{});
+}
 template <typename F>
 auto with_gemm(const RowStatsProductArgs& args, F&& f) {
-  if (args.dtype == LMLOSS_F16)
-    return args.candidates ? f(RowStatsGemm<cutlass::half_t, true>{}) : f(RowStatsGemm<cutlass::half_t, false>{});
-  return args.candidates ? f(RowStatsGemm<cutlass::bfloat16_t, true>{}) : f(RowStatsGemm<cutlass::bfloat16_t, false>{});
+  return args.dtype == LMLOSS_F16 ? with_outputs<cutlass::half_t>(args, f) : with_outputs<cutlass::bfloat16_t>(args, f);
 }
 
 }  // namespace
