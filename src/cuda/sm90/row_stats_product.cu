@@ -265,7 +265,7 @@ class RowStatsEpilogue {
       if (kRagged && col >= vocab) continue;
       const int k = slot_of(i);
       const float v = z(i);
-      if (v > best[k] || (v == best[k] && col < best_col[k])) {
+      if (v > best[k]) {  // equal values: the first seen is the lower column (columns_rise_along_rows)
         second[k] = best[k];
         best[k] = v;
         best_col[k] = col;
@@ -337,6 +337,23 @@ class RowStatsEpilogue {
   Params params_;
 };
 
+// Whether each thread of TiledMma meets the columns of each of its rows of the (kTileM, kTileN)
+// C tile in rising order of its accumulator index (the same for every thread: their coordinates
+// differ by a fixed offset). store_candidates keeps the first of equal values on that ground.
+template <class TiledMma, int kTileM, int kTileN>
+constexpr bool columns_rise_along_rows() {
+  const auto coords =
+      TiledMma{}.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+  int last_col[kTileM] = {};
+  for (int r = 0; r < kTileM; ++r) last_col[r] = -1;
+  for (int i = 0; i < int(size(coords)); ++i) {
+    const int row = get<0>(coords(i)), col = get<1>(coords(i));
+    if (col <= last_col[row]) return false;
+    last_col[row] = col;
+  }
+  return true;
+}
+
 template <typename Element, bool kCandidates, bool kStatistics>
 struct RowStatsGemm {
   using TileShape = Shape<_128, Int<int(kRowStatsTileColumns)>, _64>;
@@ -353,6 +370,8 @@ struct RowStatsGemm {
                                                       cutlass::gemm::PersistentScheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(size<1>(TileShape{}) == kRowStatsTileColumns, "one partial per column tile");
+  static_assert(columns_rise_along_rows<typename Mainloop::TiledMma, size<0>(TileShape{}), size<1>(TileShape{})>(),
+                "store_candidates takes the first of equal values for the lowest column");
   static_assert(size<0>(TileShape{}) == RowStatsEpilogue<Element, kCandidates, kStatistics>::kTileRows, "the staging buffer's rows");
 
   static typename Device::Arguments arguments(const RowStatsProductArgs& a) {
