@@ -265,6 +265,37 @@ TEST_F(Cuda, FusedStepFromTheProductMatchesReference) {
   }
 }
 
+// A bf16 fused step without label smoothing keeps most rows in the exponential form (each stored
+// as exp(s - s at its label), the backward products taking the rows' scales); a row whose lse is
+// far above that (a badly mispredicted token) gets its gradient written instead, and s at a
+// teacher id whose stored value underflows comes from the head. Logits spread wide enough that
+// rows of both kinds share a chunk (and, widest, that most rows and teacher ids take the fallbacks),
+// cross-entropy, per-token upstream and distillation, one chunk and several, bitwise on a rerun.
+TEST_F(Cuda, FusedStepWithFarLabelsMatchesReference) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4016);
+  for (const double logit_scale : {12.0, 60.0}) {
+    for (const char* name : {"plain", "none", "distill_mixed"}) {
+      for (const bool chunked : {false, true}) {
+        const int64_t n_tokens = 300, vocab = 1999, hidden = 64;
+        const int64_t top_k = std::string(name) == "distill_mixed" ? 16 : 0;
+        SCOPED_TRACE(std::string(name) + " logit scale " + std::to_string(logit_scale) + (chunked ? " chunked" : ""));
+        ProblemSpec spec{.n_tokens = n_tokens, .vocab = vocab, .hidden = hidden, .top_k = top_k,
+                         .logit_scale = logit_scale};
+        LossCase c(gen.problem(spec), options_named(name), setup(LMLOSS_BF16, chunked ? LMLOSS_BF16 : LMLOSS_F32));
+        lmloss::Context ctx;
+        if (chunked) ctx.set_workspace_budget(budget_for_rows(n_tokens / 3, vocab));
+        ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        expect_matches_reference(c, Mode::forward_backward);
+        const std::vector<double> first = c.output_values();
+        ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        EXPECT_TRUE(bitwise_equal(first, c.output_values()));
+      }
+    }
+  }
+}
+
 // Distillation on the same path: s at the teacher's ids comes from the product's shifted logits.
 // Teachers of 1, 16 and V entries (with V, every id and so the label too), cross-entropy mixed
 // in, one chunk and several, bitwise on a second run; a forward with a teacher keeps the cuBLASLt

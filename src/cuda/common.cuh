@@ -41,6 +41,8 @@ struct CallScalars {
   float upstream;         // the scalar upstream gradient (1 when absent)
   float grad_scale;       // S: f16 gradients are stored times S (a power of two), else 1
   float inv_grad_scale;   // 1 / S: alpha of the backward products
+  float token_scale;      // upstream / D (mean), upstream (sum), 1 (none): alpha of the backward
+                          // products where the rows carry the rest (the exponential form)
   float zero;             // beta constants for the products (device pointer mode)
   float one;
   long long counted;      // D before the normalizer

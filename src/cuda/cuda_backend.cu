@@ -14,7 +14,13 @@
 // soft-capping, on an sm_90 device, takes each chunk's statistics in the product's epilogue
 // instead (row_stats_product.cuh): no logits chunk for a forward; for a fused call the product
 // stores the shifted logits in the inputs' dtype, the row kernel reads s at the teacher ids from
-// them and writes the gradient over them. Teacher top-k through such a head (k up to
+// them and writes the gradient over them; with bf16 and no label smoothing, in the exponential
+// form (loss_rows.cuh), where most rows need no gradient pass:
+//   shift (rows) = s at each row's label, a dot product per row            exp_shift_kernel
+//   E (rows, vocab) bf16 = exp(S - shift), partials                        the product's epilogue
+//   row kernel: loss, lse, the sparse entries of E corrected, f (rows)     (far rows: G over E)
+//   dX_chunk = f * (E W) token_scale, through f32;  dW += E^T (f * X_chunk) token_scale
+// Teacher top-k through such a head (k up to
 // kTopkFromProductMaxK) has the product keep each tile's largest logits and selects from those
 // (topk.cuh).
 // Nothing here waits for the device: the loss, lse and gradients stay where the caller pointed.
@@ -263,8 +269,8 @@ MatmulShape logits_product(const Call& call, int64_t rows, int64_t logits_ld, si
 }
 
 enum LossPiece {
-  kLogitsChunk, kGradChunk, kPartials, kMatmulWs, kProductWs, kSparse, kLabelS, kScalars, kTokenLoss,
-  kBiasF32, kBiasGrad, kLossPieces
+  kLogitsChunk, kGradChunk, kPartials, kMatmulWs, kProductWs, kSparse, kLabelS, kExpShift, kRowScale,
+  kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces
 };
 
 struct LossPlan {
@@ -278,7 +284,15 @@ struct LossPlan {
   size_t matmul_ws = 0;
   bool row_stats_product = false; // linear: statistics from the product; the logits chunk, if
                                   // any, holds its shifted logits in the inputs' dtype
+  bool exp_form = false;          // those in the exponential form (loss_rows.cuh)
 };
+
+// Whether a fused step on the statistics product's path stores its logits in the exponential form,
+// so that most rows need no gradient pass: bf16 (f16's range is too narrow for exp(s - shift))
+// and no label smoothing (its uniform term is not a scale of the row).
+bool takes_exp_form(const core::LossCall& call) {
+  return call.input_dtype == LMLOSS_BF16 && call.options.label_smoothing == 0;
+}
 
 int64_t chunk_count(int64_t n, int64_t rows) { return rows > 0 ? (n + rows - 1) / rows : 0; }
 
@@ -372,6 +386,13 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     }
     pc[kPartials] = {0, sizeof(float4) * size_t(row_stats_tiles(call.vocab)), 256};
     pc[kLabelS] = {0, sizeof(float), 16};
+    if (grads_formed && takes_exp_form(call)) {
+      // The rows' shifts and scales; after the row kernel the partials' space holds the chunk's
+      // f32 dX before its rows are scaled, then its rows of X scaled for dW.
+      p.exp_form = true;
+      pc[kExpShift] = pc[kRowScale] = {0, sizeof(float), 16};
+      pc[kPartials].per_row = std::max(pc[kPartials].per_row, sizeof(float) * size_t(call.hidden));
+    }
     row_limit = std::min(call.n_tokens, kProductDimLimit);
     pc[kProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
   }
@@ -500,6 +521,9 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   void* grad_chunk = piece(kGradChunk);
   auto* partials = static_cast<float4*>(piece(kPartials));
   auto* label_s = static_cast<float*>(piece(kLabelS));
+  auto* exp_shift = static_cast<float*>(piece(kExpShift));
+  auto* row_scale = static_cast<float*>(piece(kRowScale));
+  void* staging = partials;  // the exponential form's dX in f32, then its scaled X (see plan_loss)
 
   PrepareArgs prep;
   prep.n_tokens = call.n_tokens;
@@ -532,6 +556,16 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       a.logits = a.grad = logits_chunk;
       a.logits_ld = a.grad_ld = plan.logits_ld;
       a.logits_dtype = a.grad_dtype = call.input_dtype;
+    }
+    if (plan.exp_form) {
+      a.exp_shift = exp_shift;
+      a.row_scale = row_scale;
+      a.hidden = call.head.hidden.data;
+      a.hidden_ld = row_stride(call.head.hidden);
+      a.weight = call.head.weight.data;
+      a.weight_ld = row_stride(call.head.weight);
+      a.hidden_size = call.hidden;
+      a.head_dtype = call.input_dtype;
     }
   }
   a.token_loss = loss_wanted ? token_loss : nullptr;
@@ -579,6 +613,29 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         product.shifted = logits_chunk;
         product.shifted_ld = plan.logits_ld;
       }
+      if (plan.exp_form) {
+        ExpShiftArgs e;
+        e.hidden = x_chunk;
+        e.hidden_ld = x_ld;
+        e.weight = call.head.weight.data;
+        e.weight_ld = row_stride(call.head.weight);
+        e.dtype = call.input_dtype;
+        e.rows = rows;
+        e.vocab = call.vocab;
+        e.hidden_size = call.hidden;
+        e.row0 = row0;
+        e.inv_temperature = product.inv_temperature;
+        e.labels = call.targets.labels.data;
+        e.labels_dtype = call.targets.labels.dtype;
+        e.ignore_index = o.ignore_index;
+        e.mask = static_cast<const uint8_t*>(call.targets.token_mask.data);
+        e.teacher_ids = a.teacher_ids;
+        e.teacher_ids_dtype = a.teacher_ids_dtype;
+        e.teacher_ids_ld = a.teacher_ids_ld;
+        e.shift = exp_shift;
+        LMLOSS_CHECK(launch_exp_shift(e, r.stream));
+        product.exp_shift = exp_shift;
+      }
       LMLOSS_CHECK(run_row_stats_product(product, piece(kProductWs), r.stream));
       LMLOSS_CHECK(launch_loss_rows(a, r.stream));
       if (!forms_gradient(a.work)) continue;
@@ -621,8 +678,18 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       s.d_type = g.grad_hidden.dtype;
       s.workspace_bytes = matmul_ws_bytes;
       char* d = static_cast<char*>(g.grad_hidden.data) + row0 * s.ldd * int64_t(core::dtype_size(s.d_type));
-      LMLOSS_CHECK(r.state.matmul.run(s, call.head.weight.data, grad, d, &scalars->inv_grad_scale,
-                                      &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
+      if (plan.exp_form) {  // the product in f32, then each row times its scale
+        const int64_t d_ld = s.ldd;
+        s.ldd = call.hidden;
+        s.d_type = LMLOSS_F32;
+        LMLOSS_CHECK(r.state.matmul.run(s, call.head.weight.data, grad, staging, &scalars->token_scale,
+                                        &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
+        LMLOSS_CHECK(launch_scale_rows(staging, LMLOSS_F32, call.hidden, nullptr, row_scale, rows, call.hidden, d,
+                                       d_ld, g.grad_hidden.dtype, r.stream));
+      } else {
+        LMLOSS_CHECK(r.state.matmul.run(s, call.head.weight.data, grad, d, &scalars->inv_grad_scale,
+                                        &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
+      }
     }
     if (g.grad_weight.data) {
       // dW: column-major (hidden, vocab) = X_chunk^T (hidden, rows) * G (rows, vocab).
@@ -643,7 +710,16 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       // (docs/performance.md, run 28).
       if (gtype != LMLOSS_F32 && s.d_type == LMLOSS_F32) s.preferred_tile = CUBLASLT_MATMUL_TILE_128x160;
       const bool add = row0 > 0 || accumulate_w;
-      LMLOSS_CHECK(r.state.matmul.run(s, x_chunk, grad, g.grad_weight.data, &scalars->inv_grad_scale,
+      const void* x_rows = x_chunk;
+      const float* alpha = &scalars->inv_grad_scale;
+      if (plan.exp_form) {  // each row of X times its scale
+        LMLOSS_CHECK(launch_scale_rows(x_chunk, call.input_dtype, x_ld, nullptr, row_scale, rows, call.hidden,
+                                       staging, call.hidden, call.input_dtype, r.stream));
+        x_rows = staging;
+        s.lda = call.hidden;
+        alpha = &scalars->token_scale;
+      }
+      LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad, g.grad_weight.data, alpha,
                                       add ? &scalars->one : &scalars->zero, matmul_ws, r.stream,
                                       r.context.tune_products));
     }
@@ -822,9 +898,9 @@ class CudaBackend final : public core::Backend {
     if (call.grad.dtype != LMLOSS_F32 || call.out.dtype == LMLOSS_F64)
       return core::fail(LMLOSS_ERROR_UNSUPPORTED, "grad, out: f64 tensors are CPU only; use f32 on CUDA");
     DeviceGuard guard(call.device_index);
-    return launch_scale_rows(static_cast<const float*>(call.grad.data), row_stride(call.grad),
-                             static_cast<const float*>(call.scale.data), call.rows, call.cols, call.out.data,
-                             row_stride(call.out), call.out.dtype, static_cast<cudaStream_t>(context.stream));
+    return launch_scale_rows(call.grad.data, LMLOSS_F32, row_stride(call.grad), static_cast<const float*>(call.scale.data),
+                             nullptr, call.rows, call.cols, call.out.data, row_stride(call.out), call.out.dtype,
+                             static_cast<cudaStream_t>(context.stream));
   }
 
   lmloss_status synchronize(lmloss_context& context) override {

@@ -143,6 +143,8 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
   const bool wants_grad = forms_gradient(a.work);
   const auto& scale = a.scale;
   const auto& weights = a.weights;
+  // The exponential form is compiled into the bf16 product path's kernel only.
+  constexpr bool kExpFormTypes = std::is_same_v<TIn, __nv_bfloat16> && std::is_same_v<TOut, __nv_bfloat16>;
   // The gradient over its own logits, in a narrower type: the tiled, ordered pass.
   const bool narrow = sizeof(TOut) < sizeof(TIn) && a.grad == a.logits;
   auto write_row = [&](const TIn* in, TOut* out, int64_t n, auto&& f) {
@@ -164,6 +166,20 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     // (the logit plus its tile's max s).
     const float4* partial = stats_from_product(a.work) ? a.partial + r * a.partial_ld : nullptr;  // (partial_tiles)
     auto unshift = [&](int64_t j, float shifted) { return shifted + tile_shift(partial, j); };
+    // The exponential form (see LossRowsArgs): what the stored value at column j is relative to.
+    const bool exp_form = kExpFormTypes && a.exp_shift != nullptr;
+    const float shift = exp_form ? a.exp_shift[r] : 0.f;
+    auto reference = [&](float tile_max) { return fmaxf(shift, tile_max - kExpFormMargin); };
+    // s at column j from its stored value v = exp(s - reference); from the head where v is too
+    // small for its log to be exact (s far below the row's shift and tile maxima: rare).
+    auto s_from_stored = [&](int64_t j, float v) {
+      if (v >= 0x1p-100f) return reference(tile_shift(partial, j)) + logf(v);
+      const int64_t x_row = t * a.hidden_ld, w_row = j * a.weight_ld;
+      float dot = 0.f;
+      for (int64_t h = 0; h < a.hidden_size; ++h)
+        dot = fmaf(load_float(a.hidden, a.head_dtype, x_row + h), load_float(a.weight, a.head_dtype, w_row + h), dot);
+      return dot * scale.inv_temperature;
+    };
 
     // Which ids the row has, and whether any is out of range (then: NaN loss, zero gradient).
     const bool has_label = a.labels != nullptr;
@@ -181,6 +197,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
       if (threadIdx.x == 0) {
         if (a.token_loss) a.token_loss[t] = NAN;
         if (a.lse_out) a.lse_out[t] = NAN;
+        if (a.row_scale) a.row_scale[r] = 0.f;
         *a.error_flag = 1;
       }
       if (wants_grad) write_row(z, dz, V, [](int64_t, float) { return 0.f; });
@@ -225,8 +242,9 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     if (K > 0) {
       for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
         const int64_t id = load_id(a.teacher_ids, a.teacher_ids_dtype, t * a.teacher_ids_ld + k);
-        const float s = partial ? unshift(id, to_float(z[id]))
-                                : scale.apply(bias ? to_float(z[id]) + bias[id] : to_float(z[id]));
+        const float s = exp_form  ? s_from_stored(id, to_float(z[id]))
+                        : partial ? unshift(id, to_float(z[id]))
+                                  : scale.apply(bias ? to_float(z[id]) + bias[id] : to_float(z[id]));
         const float p = a.teacher_probs[t * a.teacher_probs_ld + k];
         sparse[1 + k] = s;
         teacher_cross += core::xlogx(p) - p * s;
@@ -256,12 +274,32 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     const float p_coef = weights.p_coef(g, lse, teacher_mass);
     const float offset = weights.offset(g);
     __syncthreads();  // every sparse read above happens before the in-place writes below
-    if (partial) {
+    // The value written at the label and the teacher ids, given s there and the sum of the
+    // corrections that land on it.
+    auto sparse_value = [&](float s, float correction) {
+      return (p_coef * expf(s - lse) + offset + correction) * scale.derivative(s);
+    };
+    // The exponential form: rows kept as stored, the rest as the other forms but / token_scale.
+    bool kept = false;
+    float unscale = 1.f;
+    if (exp_form) {
+      kept = g == 0.f || (fabsf(lse - shift) <= kExpFormRange && p_coef != 0.f);
+      if (threadIdx.x == 0)
+        a.row_scale[r] = g == 0.f ? 0.f : kept ? p_coef * expf(shift - lse) * scale.derivative(0.f) / a.scalars->token_scale : 1.f;
+      unscale = 1.f / a.scalars->token_scale;
+    }
+    if (kept) {
+      // The stored row stands; at the sparse entries (below) exp(s - shift) gains
+      // correction / (p_coef exp(shift - lse)).
+    } else if (exp_form) {
+      const float coef = p_coef * scale.derivative(0.f) * unscale;  // no soft-capping here: 1 / T
+      map_shifted_row(z, dz, V, partial, [&](float v, float tile_max) { return coef * v * expf(reference(tile_max) - lse); });
+    } else if (partial) {
       // exp(v + shift - lse) as 2^(v log2 e + (shift - lse) log2 e): one FMA and the exp unit.
       const float ds_dz = scale.derivative(0.f);  // no soft-capping here: 1 / T
       constexpr float kLog2e = 1.4426950408889634f;
-      map_shifted_row(z, dz, V, partial, [&](float v, float shift) {
-        return (p_coef * exp2f(fmaf(v, kLog2e, (shift - lse) * kLog2e)) + offset) * ds_dz;
+      map_shifted_row(z, dz, V, partial, [&](float v, float tile_max) {
+        return (p_coef * exp2f(fmaf(v, kLog2e, (tile_max - lse) * kLog2e)) + offset) * ds_dz;
       });
     } else {
       write_row(z, dz, V, [&](int64_t j, float v) {
@@ -294,7 +332,8 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
         for (int64_t f = e; f <= K; ++f)
           if (entry_id(f) == id) correction += entry_correction(f);
         const float s = sparse[e];
-        dz[id] = from_float<TOut>((p_coef * expf(s - lse) + offset + correction) * scale.derivative(s));
+        dz[id] = from_float<TOut>(kept ? expf(s - shift) + correction * expf(lse - shift) / p_coef
+                                       : sparse_value(s, correction) * unscale);
       }
     }
     __syncthreads();
@@ -334,6 +373,7 @@ __global__ void prepare_kernel(const PrepareArgs a) {
     if (m > 0.f && isfinite(m)) s.grad_scale = exp2f(fminf(fmaxf(10.f - floorf(log2f(m)), -100.f), 100.f));
   }
   s.inv_grad_scale = 1.f / s.grad_scale;
+  s.token_scale = a.reduction == LMLOSS_REDUCTION_NONE ? 1.f : s.upstream * s.inv_denominator;
   s.zero = 0.f;
   s.one = 1.f;
   *a.scalars = s;
@@ -374,34 +414,57 @@ __global__ void to_f32_kernel(const void* in, lmloss_dtype dtype, int64_t n, flo
     out[j] = load_float(in, dtype, j);
 }
 
-// out[r, j] = grad[r, j] * scale: blocks along y take rows, along x column groups of 4 (one
-// 16-byte load, one 16- or 8-byte store) where every row is 16-byte aligned, else single columns.
-template <typename T, int kWidth>
-__global__ void scale_rows_kernel(const float* grad, int64_t grad_ld, const float* scale, int64_t rows,
-                                  int64_t cols, T* out, int64_t out_ld) {
-  const float s = scale ? *scale : 1.f;
+// out[r, j] = in[r, j] * scale * row_scale[r]: blocks along y take rows, along x column groups of
+// 4 (one 16- or 8-byte load and store) where every row is aligned for them, else single columns.
+template <typename TIn, typename TOut, int kWidth>
+__global__ void scale_rows_kernel(const TIn* in, int64_t in_ld, const float* scale, const float* row_scale,
+                                  int64_t rows, int64_t cols, TOut* out, int64_t out_ld) {
   const int64_t groups = cols / kWidth;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const float* in = grad + r * grad_ld;
-    T* dst = out + r * out_ld;
+    const float s = (scale ? *scale : 1.f) * (row_scale ? row_scale[r] : 1.f);
+    const Pack<TIn, kWidth>* src = reinterpret_cast<const Pack<TIn, kWidth>*>(in + r * in_ld);
+    Pack<TOut, kWidth>* dst = reinterpret_cast<Pack<TOut, kWidth>*>(out + r * out_ld);
     for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups; g += int64_t(gridDim.x) * blockDim.x) {
-      if constexpr (kWidth == 4) {
-        const float4 v = reinterpret_cast<const float4*>(in)[g];
-        if constexpr (sizeof(T) == 4) {
-          reinterpret_cast<float4*>(dst)[g] = make_float4(v.x * s, v.y * s, v.z * s, v.w * s);
-        } else {
-          struct alignas(8) Four { T e[4]; } four;
-          four.e[0] = from_float<T>(v.x * s);
-          four.e[1] = from_float<T>(v.y * s);
-          four.e[2] = from_float<T>(v.z * s);
-          four.e[3] = from_float<T>(v.w * s);
-          reinterpret_cast<Four*>(dst)[g] = four;
-        }
-      } else {
-        dst[g] = from_float<T>(in[g] * s);
-      }
+      const Pack<TIn, kWidth> x = src[g];
+      Pack<TOut, kWidth> y;
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) y.v[e] = from_float<TOut>(to_float(x.v[e]) * s);
+      dst[g] = y;
     }
   }
+}
+
+// One warp per row: the row's shift (see ExpShiftArgs).
+constexpr int kShiftRowsPerBlock = 8;
+__global__ void __launch_bounds__(32 * kShiftRowsPerBlock) exp_shift_kernel(const ExpShiftArgs a) {
+  const int64_t r = blockIdx.x * int64_t(kShiftRowsPerBlock) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= a.rows) return;
+  const int64_t t = a.row0 + r;
+  int64_t id = -1;
+  if (a.labels && is_counted(a.labels, a.labels_dtype, a.ignore_index, a.mask, t)) id = load_id(a.labels, a.labels_dtype, t);
+  if ((id < 0 || id >= a.vocab) && a.teacher_ids && !(a.mask && a.mask[t] == 0))
+    id = load_id(a.teacher_ids, a.teacher_ids_dtype, t * a.teacher_ids_ld);
+  if (id < 0 || id >= a.vocab) {  // no gradient: values relative to the tile maxima, scale 0
+    if (lane == 0) a.shift[r] = -INFINITY;
+    return;
+  }
+  // bf16 rows of 8-element multiples on 16-byte boundaries (what the product path requires).
+  const uint4* x = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.hidden) + r * a.hidden_ld);
+  const uint4* w = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.weight) + id * a.weight_ld);
+  float dot = 0.f;
+  for (int64_t i = lane; i < a.hidden_size / 8; i += 32) {
+    const uint4 xv = x[i], wv = w[i];
+    const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
+    const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 xf = __bfloat1622float2(xp[e]), wf = __bfloat1622float2(wp[e]);
+      dot = fmaf(xf.x, wf.x, fmaf(xf.y, wf.y, dot));
+    }
+  }
+  dot = warp_reduce(dot, Sum{});
+  if (lane == 0) a.shift[r] = dot * a.inv_temperature;
 }
 
 unsigned int flat_grid(int64_t n, int threads) {
@@ -505,29 +568,48 @@ lmloss_status launch_store_vector(const float* acc, int64_t n, bool accumulate, 
   return LMLOSS_SUCCESS;
 }
 
-lmloss_status launch_scale_rows(const float* grad, int64_t grad_ld, const float* scale, int64_t rows,
-                                int64_t cols, void* out, int64_t out_ld, lmloss_dtype out_dtype,
-                                cudaStream_t stream) {
+lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t in_ld, const float* scale,
+                                const float* row_scale, int64_t rows, int64_t cols, void* out,
+                                int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return LMLOSS_SUCCESS;
-  const size_t out_size = core::dtype_size(out_dtype);
-  const bool vector = cols % 4 == 0 && grad_ld % 4 == 0 && out_ld % 4 == 0 &&
-                      reinterpret_cast<uintptr_t>(grad) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % (4 * out_size) == 0;
+  const size_t in_size = core::dtype_size(in_dtype), out_size = core::dtype_size(out_dtype);
+  const bool vector = cols % 4 == 0 && in_ld % 4 == 0 && out_ld % 4 == 0 &&
+                      reinterpret_cast<uintptr_t>(in) % (4 * in_size) == 0 &&
+                      reinterpret_cast<uintptr_t>(out) % (4 * out_size) == 0;
   constexpr int kThreads = 256;
   const int64_t groups = vector ? cols / 4 : cols;
   const dim3 grid(unsigned(std::min<int64_t>((groups + kThreads - 1) / kThreads, 1024)),
                   unsigned(std::min<int64_t>(rows, 65535)));
-  auto launch = [&](auto* typed_out) {
-    using T = std::remove_pointer_t<decltype(typed_out)>;
-    if (vector) scale_rows_kernel<T, 4><<<grid, kThreads, 0, stream>>>(grad, grad_ld, scale, rows, cols, typed_out, out_ld);
-    else scale_rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(grad, grad_ld, scale, rows, cols, typed_out, out_ld);
+  auto launch = [&](auto* typed_in, auto* typed_out) {
+    using TIn = std::remove_const_t<std::remove_pointer_t<decltype(typed_in)>>;
+    using TOut = std::remove_pointer_t<decltype(typed_out)>;
+    if (vector)
+      scale_rows_kernel<TIn, TOut, 4><<<grid, kThreads, 0, stream>>>(typed_in, in_ld, scale, row_scale, rows, cols, typed_out, out_ld);
+    else
+      scale_rows_kernel<TIn, TOut, 1><<<grid, kThreads, 0, stream>>>(typed_in, in_ld, scale, row_scale, rows, cols, typed_out, out_ld);
   };
-  switch (out_dtype) {
-    case LMLOSS_F32: launch(static_cast<float*>(out)); break;
-    case LMLOSS_BF16: launch(static_cast<__nv_bfloat16*>(out)); break;
-    case LMLOSS_F16: launch(static_cast<__half*>(out)); break;
-    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
+  auto with_out = [&](auto* typed_in) -> lmloss_status {
+    switch (out_dtype) {
+      case LMLOSS_F32: launch(typed_in, static_cast<float*>(out)); break;
+      case LMLOSS_BF16: launch(typed_in, static_cast<__nv_bfloat16*>(out)); break;
+      case LMLOSS_F16: launch(typed_in, static_cast<__half*>(out)); break;
+      default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
+    }
+    LMLOSS_CUDA_LAUNCHED("scale_rows_kernel");
+    return LMLOSS_SUCCESS;
+  };
+  switch (in_dtype) {
+    case LMLOSS_F32: return with_out(static_cast<const float*>(in));
+    case LMLOSS_BF16: return with_out(static_cast<const __nv_bfloat16*>(in));
+    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported input dtype for a row scaling");
   }
-  LMLOSS_CUDA_LAUNCHED("scale_rows_kernel");
+}
+
+lmloss_status launch_exp_shift(const ExpShiftArgs& args, cudaStream_t stream) {
+  if (args.rows == 0) return LMLOSS_SUCCESS;
+  const unsigned blocks = unsigned((args.rows + kShiftRowsPerBlock - 1) / kShiftRowsPerBlock);
+  exp_shift_kernel<<<blocks, 32 * kShiftRowsPerBlock, 0, stream>>>(args);
+  LMLOSS_CUDA_LAUNCHED("exp_shift_kernel");
   return LMLOSS_SUCCESS;
 }
 

@@ -13,7 +13,8 @@
 // (row_stats_product.cuh) the row combines its column tiles' partials instead of a stats pass,
 // and s at the label comes from the product too: a forward reads no logits at all, a fused
 // forward+backward reads the product's 16-bit shifted logits once and writes its gradient over
-// them. The arithmetic is core/row_math.hpp's, shared with the CPU.
+// them, or, in the exponential form, reads and writes only the sparse entries of most rows (see
+// LossRowsArgs). The arithmetic is core/row_math.hpp's, shared with the CPU.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +23,7 @@
 
 #include "core/row_math.hpp"
 #include "cuda/common.cuh"
+#include "cuda/row_stats_product.cuh"
 #include "lmloss/lmloss.h"
 
 namespace lmloss::cuda {
@@ -82,12 +84,58 @@ struct LossRowsArgs {
   int64_t partial_tiles = 0;
   const float* label_s = nullptr;   // (rows)
 
+  // The exponential form of stats_and_grad_from_partials (bf16, no label smoothing): `logits` hold
+  // exp(s - ref), ref = max(exp_shift[r], the column tile's max s - kExpFormMargin). A row whose
+  // lse is within kExpFormRange of its shift keeps them, its label's and teacher ids' entries
+  // corrected, and gets row_scale[r]: its gradient is row_scale[r] * token_scale times its row. Any
+  // other row gets its gradient divided by token_scale written over them, and row_scale 1; a row
+  // with no gradient row_scale 0. So the backward products take the stored values as they are,
+  // with the rows of X (dW) and of dX (dX) scaled: no pass over the logits for most rows.
+  const float* exp_shift = nullptr;  // (rows)
+  float* row_scale = nullptr;        // (rows)
+  // s at a teacher id whose stored value is too small to take its log: recomputed from the head.
+  const void* hidden = nullptr;      // (n_tokens, hidden_size), row stride hidden_ld
+  int64_t hidden_ld = 0;
+  const void* weight = nullptr;      // (vocab, hidden_size), row stride weight_ld
+  int64_t weight_ld = 0;
+  int64_t hidden_size = 0;
+  lmloss_dtype head_dtype = LMLOSS_BF16;
+
   core::LogitScale<float> scale{};
   core::LossWeights<float> weights{};
 };
 
+// The exponential form keeps a row whose lse is at most this above its shift: its stored values
+// (at most e^60) and its scale (at least e^-40 times its gradient's factor) stay far from f32's and
+// bf16's limits.
+constexpr float kExpFormRange = 40.f;
+
 // Enqueues the kernel on `stream`; LMLOSS_ERROR_UNSUPPORTED for a dtype pair it has no kernel for.
 lmloss_status launch_loss_rows(const LossRowsArgs& args, cudaStream_t stream);
+
+// The exponential form's shift of each row of a chunk, before its product: s at the token's label
+// (lse - s_label is the token's cross-entropy, so lse - shift stays within kExpFormRange for all
+// but badly mispredicted tokens), else at the teacher's first id, else -inf (a row without a
+// gradient, stored relative to its tiles' maxima). s = x . w_id / T, a dot product per row; bf16
+// rows of a multiple of 8 on 16-byte boundaries.
+struct ExpShiftArgs {
+  const void* hidden = nullptr;  // the chunk's first row; (rows, hidden_size), row stride hidden_ld
+  int64_t hidden_ld = 0;
+  const void* weight = nullptr;  // (vocab, hidden_size), row stride weight_ld
+  int64_t weight_ld = 0;
+  lmloss_dtype dtype = LMLOSS_BF16;
+  int64_t rows = 0, vocab = 0, hidden_size = 0, row0 = 0;
+  float inv_temperature = 1;
+  const void* labels = nullptr;  // (n_tokens) or null
+  lmloss_dtype labels_dtype = LMLOSS_I32;
+  int64_t ignore_index = -100;
+  const uint8_t* mask = nullptr;
+  const void* teacher_ids = nullptr;  // (n_tokens, teacher_ids_ld) or null
+  lmloss_dtype teacher_ids_dtype = LMLOSS_I32;
+  int64_t teacher_ids_ld = 0;
+  float* shift = nullptr;        // (rows)
+};
+lmloss_status launch_exp_shift(const ExpShiftArgs& args, cudaStream_t stream);
 
 // Before the chunks: D (counted tokens), the upstream scalar and, for f16 gradients, the scale.
 struct PrepareArgs {
@@ -119,10 +167,11 @@ lmloss_status launch_to_f32(const void* in, lmloss_dtype dtype, int64_t n, float
 // out[j] = acc[j] (+ out[j] when accumulating), converted to out's dtype.
 lmloss_status launch_store_vector(const float* acc, int64_t n, bool accumulate, void* out,
                                   lmloss_dtype out_dtype, cudaStream_t stream);
-// out[r, j] = grad[r, j] * scale (scale a device f32, or null for 1), rounded once into out's
-// dtype (f32, bf16 or f16); out may be grad itself.
-lmloss_status launch_scale_rows(const float* grad, int64_t grad_ld, const float* scale, int64_t rows,
-                                int64_t cols, void* out, int64_t out_ld, lmloss_dtype out_dtype,
-                                cudaStream_t stream);
+// out[r, j] = in[r, j] * scale * row_scale[r] (scale a device f32, row_scale a device vector of
+// rows; either null for 1), rounded once into out's dtype (f32, bf16 or f16); in is f32 or bf16;
+// out may be in itself.
+lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t in_ld, const float* scale,
+                                const float* row_scale, int64_t rows, int64_t cols, void* out,
+                                int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream);
 
 }  // namespace lmloss::cuda

@@ -5,6 +5,8 @@
 //                   candidates: optional, and 0 for the sum of s)
 //   label_s[r]    = s_r,label[r]  (written by the one thread that holds that column)
 //   shifted[r, j] = s_rj - partial[r, j / kRowStatsTileColumns].x, in the inputs' dtype (optional)
+//                   or, given exp_shift, exp(s_rj - ref) with ref = max(exp_shift[r], that tile max
+//                   - kExpFormMargin): at most e^60, whatever the row (the exponential form)
 //   candidates[r, t * kTopkCandidatesPerTile + g] = the largest (s_rj, j) of column group g of tile t
 //                   (columns 128 t + 8 i + 2 g + e, i < 16, e < 2) as a top-k composite (topk_keys.cuh),
 //                   0 for none; seconds[r, same] = the group's second-largest s as an order key, 0 for
@@ -40,6 +42,10 @@ namespace lmloss::cuda {
 // Columns per partial: the product's tile width.
 constexpr int64_t kRowStatsTileColumns = 128;
 
+// The exponential form stores exp(s - ref) of a column tile with ref at least its max s less this:
+// no stored value above e^60, so no overflow in bf16 nor in the products' f32 sums over the vocab.
+constexpr float kExpFormMargin = 60.f;
+
 // Column groups of a tile for top-k, each the 32 columns one thread of a quad holds: each keeps its
 // largest logit (a candidate) and its second-largest value.
 constexpr int64_t kTopkCandidatesPerTile = 4;
@@ -66,6 +72,7 @@ struct RowStatsProductArgs {
   float* label_s = nullptr;          // (rows)
   void* shifted = nullptr;           // (rows, shifted_ld) of dtype, optional; shifted_ld even
   int64_t shifted_ld = 0;
+  const float* exp_shift = nullptr;  // (rows), optional: shifted in the exponential form
   uint64_t* candidates = nullptr;    // (rows, candidates_ld >= kTopkCandidatesPerTile * tiles), optional
   uint32_t* seconds = nullptr;       // (rows, candidates_ld), with candidates
   int64_t candidates_ld = 0;

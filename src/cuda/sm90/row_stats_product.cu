@@ -44,6 +44,8 @@ namespace {
 
 using namespace cute;
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 template <typename Element>
 struct RowStatsOut {
   float inv_temperature;
@@ -55,6 +57,7 @@ struct RowStatsOut {
   float* label_s;                  // (rows)
   Element* shifted;                // (rows, shifted_ld) or null
   int64_t shifted_ld;
+  const float* exp_shift;          // (rows) or null: shifted in the exponential form
   uint64_t* candidates;            // (rows, candidates_ld): with kCandidates
   uint32_t* seconds;               // (rows, candidates_ld): with kCandidates
   int64_t candidates_ld;
@@ -178,16 +181,28 @@ class RowStatsEpilogue {
         row_max[k] = fmaxf(row_max[k], __shfl_xor_sync(0xffffffffu, row_max[k], 1));
         row_max[k] = fmaxf(row_max[k], __shfl_xor_sync(0xffffffffu, row_max[k], 2));
       }
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(z); ++i) {
-        if (!in_vocab(get<1>(thread_coords(i)))) continue;
-        const int k = slot_of(i);
-        row_sum[k] += exp2f((z(i) - row_max[k]) * to_log2);
-        if constexpr (!kCandidates) row_sum_s[k] += z(i);  // top-k's lse needs no sum of s
+      // The exponential form sums the values it stores (one exponential per logit, not two).
+      const bool exp_form = !kCandidates && params_.shifted && params_.exp_shift;
+      if (!exp_form) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(z); ++i) {
+          if (!in_vocab(get<1>(thread_coords(i)))) continue;
+          const int k = slot_of(i);
+          row_sum[k] += exp2f((z(i) - row_max[k]) * to_log2);
+          if constexpr (!kCandidates) row_sum_s[k] += z(i);  // top-k's lse needs no sum of s
+        }
       }
-      if (kCandidates || !params_.shifted) return;  // top-k stores no logits
+      if constexpr (kCandidates) return;  // top-k stores no logits
+      if (!params_.shifted) return;
+      float offset[kSlots];  // what each row's stored values are relative to (see stored())
+      float stored_sum[kSlots];
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kSlots; ++k) {
+        offset[k] = stored_offset(row_max[k], row_of[k], rows);
+        stored_sum[k] = 0.f;
+      }
       if constexpr (!decltype(ragged)::value) {
-        store_shifted_staged(z, thread_coords, row_max, rows, m_tile, n_tile, thread_idx, shared);
+        store_shifted_staged(z, thread_coords, offset, stored_sum, rows, m_tile, n_tile, thread_idx, shared);
       } else {
         // Fragment elements i and i + 1 (i even) are columns c and c + 1 of one row.
         CUTLASS_PRAGMA_UNROLL
@@ -197,16 +212,25 @@ class RowStatsEpilogue {
           const int k = slot_of(i);
           if (row >= rows || !in_vocab(col)) continue;
           Element* out = params_.shifted + int64_t(row) * params_.shifted_ld + col;
-          const Element first = shifted(z(i), row_max[k]);
+          const float first = stored(z(i), offset[k]);
+          stored_sum[k] += first;
           if (in_vocab(col + 1)) {
+            const float second = stored(z(i + 1), offset[k]);
+            stored_sum[k] += second;
             cutlass::Array<Element, 2> pair;
-            pair[0] = first;
-            pair[1] = shifted(z(i + 1), row_max[k]);
+            pair[0] = Element(first);
+            pair[1] = Element(second);
             *reinterpret_cast<cutlass::Array<Element, 2>*>(out) = pair;
           } else {
-            *out = first;
+            *out = Element(first);
           }
         }
+      }
+      if (exp_form) {  // sum exp(s - max s) = sum exp(s - ref) exp(ref - max s), taken in log2 since
+                       // exp(ref - max s) alone may overflow where the stored values underflowed
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < kSlots; ++k)
+          row_sum[k] = stored_sum[k] > 0.f ? exp2f(log2f(stored_sum[k]) + offset[k] - row_max[k] * to_log2) : 0.f;
       }
     };
     if constexpr (kStatistics) {
@@ -238,9 +262,18 @@ class RowStatsEpilogue {
   }
 
  private:
-  // The shifted logit s - max s of a logit z whose row's tile max is max_z: (z - max_z) / T.
-  CUTLASS_DEVICE Element shifted(float z, float max_z) const {
-    return Element((z - max_z) * params_.inv_temperature);
+  // The stored value of logit z: the shifted logit s - max s = (z - max_z) / T, offset = max_z
+  // the row's tile max; or in the exponential form exp(s - ref) = 2^(z log2(e) / T - offset),
+  // offset = ref log2(e), ref = max(exp_shift[row], max s - kExpFormMargin): no value above e^60.
+  CUTLASS_DEVICE float stored_offset(float max_z, int row, int rows) const {
+    if (!params_.exp_shift) return max_z;
+    const float shift = row < rows ? params_.exp_shift[row] : -INFINITY;
+    return fmaxf(shift, __fmul_rn(max_z, params_.inv_temperature) - kExpFormMargin) * kLog2e;
+  }
+  // In f32, before the rounding to Element.
+  CUTLASS_DEVICE float stored(float z, float offset) const {
+    if (params_.exp_shift) return exp2f(fmaf(z, params_.inv_temperature * kLog2e, -offset));
+    return (z - offset) * params_.inv_temperature;
   }
 
   // Each row's largest logit of every column group (the 32 columns of the tile that one thread
@@ -291,9 +324,10 @@ class RowStatsEpilogue {
     return get<0, 1>(c) + 2 * get<1>(c);
   }
 
-  // (z - row max) / T of a full column tile, through shared memory and bulk copies (see the top).
+  // The stored values of a full column tile, through shared memory and bulk copies (see the top).
   template <class Z, class Coords, int kSlots>
-  CUTLASS_DEVICE void store_shifted_staged(Z const& z, Coords const& thread_coords, const float (&row_max)[kSlots],
+  CUTLASS_DEVICE void store_shifted_staged(Z const& z, Coords const& thread_coords, const float (&row_offset)[kSlots],
+                                           float (&stored_sum)[kSlots],
                                            int rows, int m_tile, int n_tile, int thread_idx, char* shared) const {
     auto slot_of = [](int i) { return row_slot<decltype(z.layout())>(i); };
     Element* stage = reinterpret_cast<SharedStorage*>(shared)->stage;
@@ -310,8 +344,11 @@ class RowStatsEpilogue {
         if (offset / kStageColumns != part) continue;
         const int k = slot_of(i);
         cutlass::Array<Element, 2> pair;
-        pair[0] = shifted(z(i), row_max[k]);
-        pair[1] = shifted(z(i + 1), row_max[k]);
+        const float first = stored(z(i), row_offset[k]), second = stored(z(i + 1), row_offset[k]);
+        stored_sum[k] += first;
+        stored_sum[k] += second;
+        pair[0] = Element(first);
+        pair[1] = Element(second);
         const int r = get<0>(thread_coords(i)) - row0;
         const int c = first_col - col0 + offset - part * kStageColumns;
         *reinterpret_cast<cutlass::Array<Element, 2>*>(&stage[r * kStageLd + c]) = pair;
@@ -384,6 +421,7 @@ struct RowStatsGemm {
                                    a.label_s,
                                    static_cast<Element*>(a.shifted),
                                    a.shifted_ld,
+                                   a.exp_shift,
                                    a.candidates,
                                    a.seconds,
                                    a.candidates_ld};
