@@ -151,6 +151,11 @@ class RowStatsEpilogue {
     for (int k = 0; k < kSlots; ++k)
       label_of[k] = params_.labels && row_of[k] < rows
                         ? load_id(params_.labels, params_.labels_dtype, params_.row0 + row_of[k]) : -1;
+    // The exponential form's shifts, loaded here so that their latency passes under the max pass.
+    float shift_of[kSlots];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kSlots; ++k)
+      shift_of[k] = !kCandidates && params_.exp_shift && row_of[k] < rows ? params_.exp_shift[row_of[k]] : -INFINITY;
 
     // s = z / T. The epilogue runs between main loops, so every instruction per element shows in
     // the product's time (measured on an H200: applying soft-capping and a bias twice per element
@@ -198,7 +203,7 @@ class RowStatsEpilogue {
       float stored_sum[kSlots];
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kSlots; ++k) {
-        offset[k] = stored_offset(row_max[k], row_of[k], rows);
+        offset[k] = stored_offset(row_max[k], shift_of[k]);
         stored_sum[k] = 0.f;
       }
       if constexpr (!decltype(ragged)::value) {
@@ -265,9 +270,8 @@ class RowStatsEpilogue {
   // The stored value of logit z: the shifted logit s - max s = (z - max_z) / T, offset = max_z
   // the row's tile max; or in the exponential form exp(s - ref) = 2^(z log2(e) / T - offset),
   // offset = ref log2(e), ref = max(exp_shift[row], max s - kExpFormMargin): no value above e^60.
-  CUTLASS_DEVICE float stored_offset(float max_z, int row, int rows) const {
+  CUTLASS_DEVICE float stored_offset(float max_z, float shift) const {
     if (!params_.exp_shift) return max_z;
-    const float shift = row < rows ? params_.exp_shift[row] : -INFINITY;
     return fmaxf(shift, __fmul_rn(max_z, params_.inv_temperature) - kExpFormMargin) * kLog2e;
   }
   // In f32, before the rounding to Element.
