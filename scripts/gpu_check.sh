@@ -81,7 +81,7 @@ if has_stage sanitizer; then
   echo "== compute-sanitizer (small cases)"
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in memcheck racecheck; do
-    filter='Cuda.RunsAreBitwiseIdentical:Cuda.IdOutOfRange*:Cuda.TopkLargeKAndTiedRows:Cuda.TopkOfLongRows*:Cuda.LongRows*:Cuda.ForwardStatistics*:Cuda.FusedStepFromTheProduct*:Cuda.DistillationFromTheProduct*:Cuda.TopkFromTheProduct*'
+    filter='Cuda.RunsAreBitwiseIdentical:Cuda.IdOutOfRange*:Cuda.TopkLargeKAndTiedRows:Cuda.TopkOfLongRows*:Cuda.LongRows*:Cuda.ForwardStatistics*:Cuda.FusedStepFromTheProduct*:Cuda.FusedStepWithFarLabels*:Cuda.DistillationFromTheProduct*:Cuda.TopkFromTheProduct*'
     [ $tool = racecheck ] && filter='Cuda.RunsAreBitwiseIdentical:Cuda.LongRows*:Cuda.TopkFromTheProductRecomputesGroups'
     run timeout 240 "$SAN" --tool $tool --error-exitcode 9 "$BUILD/tests/test_cuda" --gtest_filter="$filter" \
       > "$OUT/sanitizer_$tool.log" 2>&1
