@@ -619,7 +619,6 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         e.hidden_ld = x_ld;
         e.weight = call.head.weight.data;
         e.weight_ld = row_stride(call.head.weight);
-        e.dtype = call.input_dtype;
         e.rows = rows;
         e.vocab = call.vocab;
         e.hidden_size = call.hidden;

@@ -123,7 +123,6 @@ struct ExpShiftArgs {
   int64_t hidden_ld = 0;
   const void* weight = nullptr;  // (vocab, hidden_size), row stride weight_ld
   int64_t weight_ld = 0;
-  lmloss_dtype dtype = LMLOSS_BF16;
   int64_t rows = 0, vocab = 0, hidden_size = 0, row0 = 0;
   float inv_temperature = 1;
   const void* labels = nullptr;  // (n_tokens) or null
