@@ -393,6 +393,26 @@ TEST_F(Cuda, TopkFromTheProductMatchesReference) {
   }
 }
 
+// The same path over a vocabulary whose candidates pass 48 KiB of shared memory (1563 column
+// tiles: 50 KiB), in bf16 and then f16 in one process: each selection kernel is allowed the larger
+// dynamic shared memory it launches with, not only the first one used.
+TEST_F(Cuda, TopkFromTheProductOfAWideVocabularyInBothDtypes) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4019);
+  const reference::Problem p = gen.problem({.n_tokens = 3, .vocab = 200003, .hidden = 32});
+  for (const lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    lmloss_topk_options o = lmloss_topk_options_default();
+    o.k = 64;
+    TopkCase tc(p, o, {.device = Device::cuda, .dtype = dtype});
+    lmloss::Context ctx;
+    ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
+    EXPECT_LT(ctx.peak_workspace(), size_t(8) << 20) << "the product's path: no logits chunk";
+  }
+}
+
 // The same path where a column group holds more of the top k than its one candidate: a head
 // whose first 100 logits of every row are the largest (exact in 16 bits, 4 + j/16), so the first
 // tile's groups are recomputed in full and merged; and a head whose logits all tie (every row

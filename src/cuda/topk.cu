@@ -480,12 +480,19 @@ size_t cub_temp_bytes(int64_t rows, int64_t k) {
   return temp;
 }
 
+// Lets `kernel` take up to `bytes` of dynamic shared memory on the current device. Set before each
+// launch: the attribute belongs to one kernel on one device, and a process may use several.
+template <typename Kernel>
+lmloss_status allow_dynamic_shared(Kernel kernel, size_t bytes) {
+  const cudaError_t st = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (st != cudaSuccess)
+    return core::fail(LMLOSS_ERROR_BACKEND, std::string("topk shared memory: ") + cudaGetErrorString(st));
+  return LMLOSS_SUCCESS;
+}
+
 template <typename T>
 lmloss_status launch_typed(const TopkRowsArgs& a, cudaStream_t stream) {
-  static const cudaError_t attribute = cudaFuncSetAttribute(
-      topk_rows_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kCapacity * sizeof(uint64_t));
-  if (attribute != cudaSuccess)
-    return core::fail(LMLOSS_ERROR_BACKEND, std::string("topk shared memory: ") + cudaGetErrorString(attribute));
+  LMLOSS_CHECK(allow_dynamic_shared(topk_rows_kernel<T>, kCapacity * sizeof(uint64_t)));
   topk_rows_kernel<T><<<row_grid(a.rows), kTopkThreads, kCapacity * sizeof(uint64_t), stream>>>(a);
   LMLOSS_CUDA_LAUNCHED("topk_rows_kernel");
   return LMLOSS_SUCCESS;
@@ -505,10 +512,7 @@ lmloss_status launch_topk_from_candidates(const TopkCandidatesArgs& a, cudaStrea
     return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k from the product: bf16 or f16 only");
   auto launch = [&](auto kernel) -> lmloss_status {
     const size_t shared = size_t(a.tiles) * kTopkCandidatesPerTile * sizeof(uint64_t);
-    static const cudaError_t attribute = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kMaxCandidates * sizeof(uint64_t)));
-    if (attribute != cudaSuccess)
-      return core::fail(LMLOSS_ERROR_BACKEND, std::string("topk shared memory: ") + cudaGetErrorString(attribute));
+    LMLOSS_CHECK(allow_dynamic_shared(kernel, shared));
     kernel<<<row_grid(a.select.rows), kTopkThreads, shared, stream>>>(a);
     LMLOSS_CUDA_LAUNCHED("topk_candidates_kernel");
     return LMLOSS_SUCCESS;
