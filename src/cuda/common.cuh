@@ -155,6 +155,20 @@ struct Max {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 
+// x . w in f32 over h 16-bit elements (h a multiple of 8, both 16-byte aligned), by one warp; every
+// lane gets the same sum.
+template <typename T>
+__device__ float warp_dot(const T* x, const T* w, int64_t h) {
+  float sum = 0.f;
+  for (int64_t i = (threadIdx.x & 31) * 8; i < h; i += 32 * 8) {
+    const Vec<T> a = *reinterpret_cast<const Vec<T>*>(x + i);
+    const Vec<T> b = *reinterpret_cast<const Vec<T>*>(w + i);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum = fmaf(to_float(a.v[e]), to_float(b.v[e]), sum);
+  }
+  return warp_reduce(sum, Sum{});
+}
+
 // Online (max, sum of exp(x - max)) pairs, merged.
 struct MaxSum {
   float max;

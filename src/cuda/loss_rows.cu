@@ -450,20 +450,9 @@ __global__ void __launch_bounds__(32 * kShiftRowsPerBlock) exp_shift_kernel(cons
     return;
   }
   // bf16 rows of 8-element multiples on 16-byte boundaries (what the product path requires).
-  const uint4* x = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.hidden) + r * a.hidden_ld);
-  const uint4* w = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.weight) + id * a.weight_ld);
-  float dot = 0.f;
-  for (int64_t i = lane; i < a.hidden_size / 8; i += 32) {
-    const uint4 xv = x[i], wv = w[i];
-    const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
-    const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 xf = __bfloat1622float2(xp[e]), wf = __bfloat1622float2(wp[e]);
-      dot = fmaf(xf.x, wf.x, fmaf(xf.y, wf.y, dot));
-    }
-  }
-  dot = warp_reduce(dot, Sum{});
+  const auto* x = static_cast<const __nv_bfloat16*>(a.hidden) + r * a.hidden_ld;
+  const auto* w = static_cast<const __nv_bfloat16*>(a.weight) + id * a.weight_ld;
+  const float dot = warp_dot(x, w, a.hidden_size);
   if (lane == 0) a.shift[r] = dot * a.inv_temperature;
 }
 

@@ -2,7 +2,8 @@
 //
 //   S = X W^T / T               (rows, vocab), in f32 accumulators
 //   partial[r, t] = (max_j s_rj, sum_j exp(s_rj - max), sum_j s_rj) over column tile t (with
-//                   candidates: optional, and 0 for the sum of s)
+//                   candidates: optional, and 0 for the sum of s; 0 for it too in the exponential
+//                   form, which label smoothing does not take)
 //   label_s[r]    = s_r,label[r]  (written by the one thread that holds that column)
 //   shifted[r, j] = s_rj - partial[r, j / kRowStatsTileColumns].x, in the inputs' dtype (optional)
 //                   or, given exp_shift, exp(s_rj - ref) with ref = max(exp_shift[r], that tile max

@@ -133,17 +133,17 @@ __device__ void sort_desc_padded(uint64_t* keys, int count, int at_least = 1) {
 __device__ void write_output(const TopkRowsArgs& a, int64_t t, const uint64_t* sorted, float lse,
                              float* scratch) {
   const int64_t k = a.k;
-  const float top = key_value(static_cast<uint32_t>(sorted[0] >> 32));
+  const float top = composite_value(sorted[0]);
   const float base = a.renormalize ? top : lse;
   float sum = 0.f;
   for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
-    sum += expf(key_value(static_cast<uint32_t>(sorted[i] >> 32)) - base);
+    sum += expf(composite_value(sorted[i]) - base);
   sum = block_reduce(sum, Sum{}, 0.f, scratch);
   const float inv = a.renormalize ? 1.f / sum : 1.f;
   for (int64_t i = threadIdx.x; i < k; i += blockDim.x) {
     const uint64_t c = sorted[i];
     a.ids[t * a.ids_ld + i] = composite_id(c);
-    a.probs[t * a.probs_ld + i] = expf(key_value(static_cast<uint32_t>(c >> 32)) - base) * inv;
+    a.probs[t * a.probs_ld + i] = expf(composite_value(c) - base) * inv;
   }
   if (a.tail && threadIdx.x == 0) a.tail[t] = a.renormalize ? 0.f : 1.f - sum;
 }
@@ -387,20 +387,6 @@ __device__ void select_top(const uint64_t* keys, int n, int k, SelectShared& sh)
   }
   __syncthreads();
   sort_desc_padded(sh.merge, sh.count, k);
-}
-
-// x . w in f32 over h 16-bit elements (h a multiple of 8, both 16-byte aligned), by one warp; every
-// lane gets the same sum.
-template <typename T>
-__device__ float warp_dot(const T* x, const T* w, int64_t h) {
-  float sum = 0.f;
-  for (int64_t i = (threadIdx.x & 31) * 8; i < h; i += 32 * 8) {
-    const Vec<T> a = *reinterpret_cast<const Vec<T>*>(x + i);
-    const Vec<T> b = *reinterpret_cast<const Vec<T>*>(w + i);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) sum = fmaf(to_float(a.v[e]), to_float(b.v[e]), sum);
-  }
-  return warp_reduce(sum, Sum{});
 }
 
 template <typename T>

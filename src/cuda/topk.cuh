@@ -2,8 +2,8 @@
 // the lower id, with their probabilities.
 //
 // Over order-preserving 32-bit keys of the values, one block per row. Rows of 16384 values or
-// more first try one pass: a threshold from a sample of the row (a few thousand values, sorted
-// in shared memory) set so that about 1.5 k values pass it, then one pass over the row gathers
+// more first try one pass: a threshold from a sample of the row (1024 values in 128 evenly spaced
+// runs of 8, sorted in shared memory) set so that about 1.5 k values pass it, then one pass gathers
 // every key at or above it (and, for full-vocabulary probabilities, the row's online max and sum
 // of exponentials); if at least k and at most what shared memory holds passed, they are sorted by
 // (key desc, id asc) and the first k written out. Otherwise (an unlucky sample, ties, short rows,
@@ -13,8 +13,8 @@
 // When those do not fit (many values in one bin, or k itself larger than shared memory), two
 // more histogram passes narrow the bin to the exact k-th key, the values above it and the
 // lowest-id values equal to it are collected, and a block (or, for k beyond shared memory, a
-// segmented device sort) orders them. Typical rows read the logits once (the sample adds a
-// sector in 60), short ones twice.
+// segmented device sort) orders them. Typical rows read the logits once (and the sample's 1024
+// values), short ones twice.
 //
 // From the statistics product (row_stats_product.cuh), for k up to kTopkFromProductMaxK: the
 // product keeps, for each row and each 32-column group of a tile (the columns one thread of a

@@ -162,7 +162,7 @@ class RowStatsEpilogue {
     // made it 80% slower): two lean passes over z, the column test only in the ragged last tile.
     // exp(s - max s) = 2^((z - max z) log2(e) / T), and T > 0 makes max s = (max z) / T exactly.
     const float inv_t = params_.inv_temperature;
-    const float to_log2 = inv_t * 1.4426950408889634f;
+    const float to_log2 = inv_t * kLog2e;
     float row_max[kSlots], row_sum[kSlots], row_sum_s[kSlots];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kSlots; ++k) {
