@@ -326,28 +326,20 @@ _loss_forward_backward.register_autograd(_backward_forward_backward,
 # the library call alone.
 
 
-class _EagerForward(torch.autograd.Function):
-    @staticmethod
+def _eager_function(name, impl, setup_context, backward):
+    """A custom op's implementation, context setup and backward as a torch.autograd.Function."""
     def forward(ctx, *inputs):
-        output = _loss_forward_impl(*inputs)
-        _setup_forward(ctx, inputs, output)
+        output = impl(*inputs)
+        setup_context(ctx, inputs, output)
         return output
 
-    @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
-        return _backward_forward(ctx, grad_loss, grad_lse)
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-class _EagerForwardBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _loss_forward_backward_impl(*inputs)
-        _setup_forward_backward(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_loss, *grads_of_aux):
-        return _backward_forward_backward(ctx, grad_loss, *grads_of_aux)
+_EagerForward = _eager_function("_EagerForward", _loss_forward_impl, _setup_forward, _backward_forward)
+_EagerForwardBackward = _eager_function("_EagerForwardBackward", _loss_forward_backward_impl,
+                                        _setup_forward_backward, _backward_forward_backward)
 
 
 # ---- The losses ------------------------------------------------------------------------------
