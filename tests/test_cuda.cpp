@@ -362,11 +362,7 @@ TEST_F(Cuda, TopkFromTheProductMatchesReference) {
           o.k = shape.k;
           o.temperature = temperature;
           o.renormalize = renormalize;
-          TopkSetup ts;
-          ts.device = Device::cuda;
-          ts.dtype = dtype;
-          ts.row_padding = shape.row_padding;
-          TopkCase tc(p, o, ts);
+          TopkCase tc(p, o, {.device = Device::cuda, .dtype = dtype, .row_padding = shape.row_padding});
           lmloss::Context ctx;
           ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
           expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
@@ -438,10 +434,7 @@ TEST_F(Cuda, TopkFromTheProductRecomputesGroups) {
       lmloss_topk_options o = lmloss_topk_options_default();
       o.k = k;
       o.renormalize = 0;
-      TopkSetup ts;
-      ts.device = Device::cuda;
-      ts.dtype = LMLOSS_BF16;
-      TopkCase tc(is_tied ? tied : clustered, o, ts);
+      TopkCase tc(is_tied ? tied : clustered, o, {.device = Device::cuda, .dtype = LMLOSS_BF16});
       lmloss::Context ctx;
       ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
       expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
@@ -493,10 +486,7 @@ TEST_F(Cuda, TopkOfLongRowsFromASampledThreshold) {
             lmloss_topk_options o = lmloss_topk_options_default();
             o.k = k;
             o.renormalize = renormalize;
-            TopkSetup ts;
-            ts.device = Device::cuda;
-            ts.dtype = dtype;
-            TopkCase tc(linear ? head : p, o, ts);
+            TopkCase tc(linear ? head : p, o, {.device = Device::cuda, .dtype = dtype});
             lmloss::Context ctx;
             ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
             expect_topk_matches_reference(tc, linear ? tolerance(LMLOSS_F32) : 0.0);
@@ -530,10 +520,7 @@ TEST_F(Cuda, RunsAreBitwiseIdentical) {
     lmloss_topk_options t = lmloss_topk_options_default();
     t.k = 100;
     t.renormalize = 0;
-    TopkSetup ts;
-    ts.device = Device::cuda;
-    ts.dtype = dtype;
-    TopkCase tc(gen.problem(spec), t, ts);
+    TopkCase tc(gen.problem(spec), t, {.device = Device::cuda, .dtype = dtype});
     ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
     const std::vector<int64_t> ids = tc.ids.ids();
     const std::vector<double> probs = tc.probs.values();
@@ -553,9 +540,7 @@ TEST_F(Cuda, TopkLargeKAndTiedRows) {
     lmloss_topk_options t = lmloss_topk_options_default();
     t.k = k;
     t.renormalize = k == 9000 ? 0 : 1;
-    TopkSetup ts;
-    ts.device = Device::cuda;
-    TopkCase tc(gen.problem({.n_tokens = 5, .vocab = 30011}), t, ts);
+    TopkCase tc(gen.problem({.n_tokens = 5, .vocab = 30011}), t, {.device = Device::cuda});
     ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
     expect_topk_matches_reference(tc, 0);
   }
@@ -566,9 +551,7 @@ TEST_F(Cuda, TopkLargeKAndTiedRows) {
     SCOPED_TRACE("tied, k " + std::to_string(k));
     lmloss_topk_options t = lmloss_topk_options_default();
     t.k = k;
-    TopkSetup ts;
-    ts.device = Device::cuda;
-    TopkCase tc(p, t, ts);
+    TopkCase tc(p, t, {.device = Device::cuda});
     ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
     expect_topk_matches_reference(tc, 0);
   }
