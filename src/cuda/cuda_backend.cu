@@ -19,7 +19,10 @@
 //   shift (rows) = s at each row's label, a dot product per row            exp_shift_kernel
 //   E (rows, vocab) bf16 = exp(S - shift), partials                        the product's epilogue
 //   row kernel: loss, lse, the sparse entries of E corrected, f (rows)     (far rows: G over E)
-//   dX_chunk = f * (E W) token_scale, through f32;  dW += E^T (f * X_chunk) token_scale
+//               and c (rows), dl/dz at the label less its softmax part
+//   dX_chunk = f * (E W) token_scale + c W[label], through f32
+//   dW += E^T (f * X_chunk) token_scale, then += c X_chunk at the labels   (tokens ordered by
+//               label once per call, so each label's rows are summed in order: deterministic)
 // Teacher top-k through such a head (k up to
 // kTopkFromProductMaxK) has the product keep each tile's largest logits and selects from those
 // (topk.cuh).
@@ -270,7 +273,7 @@ MatmulShape logits_product(const Call& call, int64_t rows, int64_t logits_ld, si
 
 enum LossPiece {
   kLogitsChunk, kGradChunk, kPartials, kMatmulWs, kProductWs, kSparse, kLabelS, kExpShift, kRowScale,
-  kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces
+  kLabelGrad, kLabelOrder, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces
 };
 
 struct LossPlan {
@@ -386,11 +389,15 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     }
     pc[kPartials] = {0, sizeof(float4) * size_t(row_stats_tiles(call.vocab)), 256};
     pc[kLabelS] = {0, sizeof(float), 16};
-    if (grads_formed && takes_exp_form(call)) {
+    // The exponential form's dW takes the tokens ordered by label (0 bytes: not to be had).
+    const bool orders_labels = call.targets.labels.data && call.grads.grad_weight.data;
+    const size_t order_bytes = grads_formed && takes_exp_form(call) && orders_labels ? label_order_bytes(call.n_tokens) : 0;
+    if (grads_formed && takes_exp_form(call) && (!orders_labels || order_bytes > 0)) {
       // The rows' shifts and scales; after the row kernel the partials' space holds the chunk's
       // f32 dX before its rows are scaled, then its rows of X scaled for dW.
       p.exp_form = true;
-      pc[kExpShift] = pc[kRowScale] = {0, sizeof(float), 16};
+      pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = {0, sizeof(float), 16};
+      if (orders_labels) pc[kLabelOrder] = {order_bytes, 0, 256};
       pc[kPartials].per_row = std::max(pc[kPartials].per_row, sizeof(float) * size_t(call.hidden));
     }
     row_limit = std::min(call.n_tokens, kProductDimLimit);
@@ -523,6 +530,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   auto* label_s = static_cast<float*>(piece(kLabelS));
   auto* exp_shift = static_cast<float*>(piece(kExpShift));
   auto* row_scale = static_cast<float*>(piece(kRowScale));
+  auto* label_grad = static_cast<float*>(piece(kLabelGrad));
+  void* label_order = piece(kLabelOrder);
   void* staging = partials;  // the exponential form's dX in f32, then its scaled X (see plan_loss)
 
   PrepareArgs prep;
@@ -539,6 +548,9 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   prep.scalars = scalars;
   LMLOSS_CHECK(launch_prepare(prep, r.stream));
   if (bias) LMLOSS_CHECK(launch_to_f32(call.head.bias.data, call.head.bias.dtype, call.vocab, bias, r.stream));
+  if (label_order)
+    LMLOSS_CHECK(launch_label_order(call.targets.labels.data, call.targets.labels.dtype, call.n_tokens, call.vocab,
+                                    label_order, r.stream));
 
   LossRowsArgs a = row_args_common(call);
   a.work = plan.row_stats_product             ? (grads_computed(call) ? RowWork::stats_and_grad_from_partials
@@ -560,6 +572,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     if (plan.exp_form) {
       a.exp_shift = exp_shift;
       a.row_scale = row_scale;
+      a.label_grad = label_grad;
       a.hidden = call.head.hidden.data;
       a.hidden_ld = row_stride(call.head.hidden);
       a.weight = call.head.weight.data;
@@ -664,6 +677,14 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     }
 
     const lmloss_dtype gtype = a.grad_dtype;
+    LabelRows label_rows;  // the exponential form's one-hot term
+    if (plan.exp_form && call.targets.labels.data) {
+      label_rows.coef = label_grad;
+      label_rows.labels = call.targets.labels.data;
+      label_rows.labels_dtype = call.targets.labels.dtype;
+      label_rows.row0 = row0;
+      label_rows.vocab = call.vocab;
+    }
     if (g.grad_hidden.data) {
       // dX_chunk: column-major (hidden, rows) = W^T (hidden, vocab) * G^T (vocab, rows).
       MatmulShape s;
@@ -684,7 +705,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         LMLOSS_CHECK(r.state.matmul.run(s, call.head.weight.data, grad, staging, &scalars->token_scale,
                                         &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
         LMLOSS_CHECK(launch_scale_rows(staging, LMLOSS_F32, call.hidden, nullptr, row_scale, rows, call.hidden, d,
-                                       d_ld, g.grad_hidden.dtype, r.stream));
+                                       d_ld, g.grad_hidden.dtype, r.stream, label_rows, call.head.weight.data,
+                                       row_stride(call.head.weight)));
       } else {
         LMLOSS_CHECK(r.state.matmul.run(s, call.head.weight.data, grad, d, &scalars->inv_grad_scale,
                                         &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
@@ -721,6 +743,9 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad, g.grad_weight.data, alpha,
                                       add ? &scalars->one : &scalars->zero, matmul_ws, r.stream,
                                       r.context.tune_products));
+      if (label_rows.coef)
+        LMLOSS_CHECK(launch_add_label_rows(label_order, call.n_tokens, label_rows, rows, x_chunk, x_ld, call.hidden,
+                                           g.grad_weight.data, s.ldd, g.grad_weight.dtype, r.stream));
     }
     if (bias_grad)
       LMLOSS_CHECK(launch_column_sum(grad, plan.grad_ld, gtype, rows, call.vocab, row0 > 0, scalars,

@@ -4,8 +4,11 @@
 // reduction runs in a fixed order.
 #include "cuda/loss_rows.cuh"
 
+#include <cub/device/device_radix_sort.cuh>
+
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 
 #include "core/dtype.hpp"
@@ -198,6 +201,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
         if (a.token_loss) a.token_loss[t] = NAN;
         if (a.lse_out) a.lse_out[t] = NAN;
         if (a.row_scale) a.row_scale[r] = 0.f;
+        if (a.label_grad) a.label_grad[r] = 0.f;
         *a.error_flag = 1;
       }
       if (wants_grad) write_row(z, dz, V, [](int64_t, float) { return 0.f; });
@@ -279,13 +283,17 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     auto sparse_value = [&](float s, float correction) {
       return (p_coef * expf(s - lse) + offset + correction) * scale.derivative(s);
     };
-    // The exponential form: rows kept as stored, the rest as the other forms but / token_scale.
+    const bool label_entry = label_used && weights.alpha != 0.f;
+    // The exponential form: rows kept as stored, the rest as the other forms but / token_scale;
+    // either way the label's one-hot term goes to label_grad, not into the stored row.
     bool kept = false;
     float unscale = 1.f;
     if (exp_form) {
       kept = g == 0.f || (fabsf(lse - shift) <= kExpFormRange && p_coef != 0.f);
-      if (threadIdx.x == 0)
+      if (threadIdx.x == 0) {
         a.row_scale[r] = g == 0.f ? 0.f : kept ? p_coef * expf(shift - lse) * scale.derivative(0.f) / a.scalars->token_scale : 1.f;
+        a.label_grad[r] = label_entry ? weights.label_correction(g) * scale.derivative(0.f) : 0.f;
+      }
       unscale = 1.f / a.scalars->token_scale;
     }
     if (kept) {
@@ -313,13 +321,12 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     // that lands on them, written once by the first entry naming that id (so duplicates are
     // summed in entry order, deterministically). Entry 0 is the label, entry 1 + k teacher k.
     if (g != 0.f) {
-      const bool label_entry = label_used && weights.alpha != 0.f;
       auto entry_id = [&](int64_t e) -> int64_t {
         return e == 0 ? (label_entry ? label : -1)
                       : load_id(a.teacher_ids, a.teacher_ids_dtype, t * a.teacher_ids_ld + e - 1);
       };
       auto entry_correction = [&](int64_t e) -> float {
-        return e == 0 ? weights.label_correction(g)
+        return e == 0 ? (exp_form ? 0.f : weights.label_correction(g))
                       : weights.teacher_correction(g, a.teacher_probs[t * a.teacher_probs_ld + e - 1]);
       };
       for (int64_t e = threadIdx.x; e <= K; e += blockDim.x) {
@@ -414,22 +421,107 @@ __global__ void to_f32_kernel(const void* in, lmloss_dtype dtype, int64_t n, flo
     out[j] = load_float(in, dtype, j);
 }
 
-// out[r, j] = in[r, j] * scale * row_scale[r]: blocks along y take rows, along x column groups of
-// 4 (one 16- or 8-byte load and store) where every row is aligned for them, else single columns.
+// Row r's label for the one-hot term, -1 where it has none.
+__device__ __forceinline__ int64_t label_of(const LabelRows& label, int64_t r) {
+  const int64_t y = load_id(label.labels, label.labels_dtype, label.row0 + r);
+  return y >= 0 && y < label.vocab ? y : -1;
+}
+
+// out[r, j] = in[r, j] * scale * row_scale[r] (+ coef[r] table[label, j]): blocks along y take
+// rows, along x column groups of 4 (one 16- or 8-byte load and store) where every row is aligned
+// for them, else single columns.
 template <typename TIn, typename TOut, int kWidth>
 __global__ void scale_rows_kernel(const TIn* in, int64_t in_ld, const float* scale, const float* row_scale,
-                                  int64_t rows, int64_t cols, TOut* out, int64_t out_ld) {
+                                  int64_t rows, int64_t cols, TOut* out, int64_t out_ld, const LabelRows label,
+                                  const __nv_bfloat16* table, int64_t table_ld) {
   const int64_t groups = cols / kWidth;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const float s = (scale ? *scale : 1.f) * (row_scale ? row_scale[r] : 1.f);
+    const int64_t y = label.coef ? label_of(label, r) : -1;
+    const float c = y >= 0 ? label.coef[r] : 0.f;
+    const __nv_bfloat16* w = c != 0.f ? table + y * table_ld : nullptr;
     const Pack<TIn, kWidth>* src = reinterpret_cast<const Pack<TIn, kWidth>*>(in + r * in_ld);
     Pack<TOut, kWidth>* dst = reinterpret_cast<Pack<TOut, kWidth>*>(out + r * out_ld);
     for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups; g += int64_t(gridDim.x) * blockDim.x) {
       const Pack<TIn, kWidth> x = src[g];
-      Pack<TOut, kWidth> y;
+      Pack<TOut, kWidth> v;
 #pragma unroll
-      for (int e = 0; e < kWidth; ++e) y.v[e] = from_float<TOut>(to_float(x.v[e]) * s);
-      dst[g] = y;
+      for (int e = 0; e < kWidth; ++e) {
+        float o = to_float(x.v[e]) * s;
+        if (w) o = fmaf(c, __bfloat162float(w[g * kWidth + e]), o);
+        v.v[e] = from_float<TOut>(o);
+      }
+      dst[g] = v;
+    }
+  }
+}
+
+// The label order (see launch_label_order): keys (the label, or vocab for none) and token indices,
+// sorted by key, stably.
+struct LabelOrder {
+  uint32_t* keys_in;
+  uint32_t* keys;
+  int32_t* tokens_in;
+  int32_t* tokens;
+  void* sort_scratch;  // label_order_bytes' rest
+};
+
+// The sort's scratch for n keys of up to 32 bits (enough for fewer); 0 where the query fails.
+size_t sort_scratch_bytes(int n) {
+  size_t bytes = 0;
+  const cudaError_t e = cub::DeviceRadixSort::SortPairs(
+      nullptr, bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), n);
+  return e == cudaSuccess ? bytes : 0;
+}
+
+// The pieces of the order's workspace, each 256-byte aligned.
+LabelOrder label_order_at(const void* workspace, int64_t n_tokens) {
+  auto round = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t vec = round(sizeof(uint32_t) * size_t(n_tokens));
+  char* base = static_cast<char*>(const_cast<void*>(workspace));
+  LabelOrder o;
+  o.keys_in = reinterpret_cast<uint32_t*>(base);
+  o.keys = reinterpret_cast<uint32_t*>(base + vec);
+  o.tokens_in = reinterpret_cast<int32_t*>(base + 2 * vec);
+  o.tokens = reinterpret_cast<int32_t*>(base + 3 * vec);
+  o.sort_scratch = base + 4 * vec;
+  return o;
+}
+
+__global__ void label_keys_kernel(const void* labels, lmloss_dtype labels_dtype, int64_t n_tokens, int64_t vocab,
+                                  uint32_t* keys, int32_t* tokens) {
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < n_tokens; t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t y = load_id(labels, labels_dtype, t);
+    keys[t] = uint32_t(y >= 0 && y < vocab ? y : vocab);
+    tokens[t] = int32_t(t);
+  }
+}
+
+// One warp per position of the order: the first of a label's tokens in the chunk sums the
+// chunk's tokens of that label (adjacent in the order, in token order) and adds them to out.
+constexpr int kLabelWarps = 8;
+template <typename TOut>
+__global__ void __launch_bounds__(32 * kLabelWarps)
+    add_label_rows_kernel(const uint32_t* keys, const int32_t* tokens, int64_t n_tokens, const LabelRows label,
+                          int64_t rows, const __nv_bfloat16* x, int64_t x_ld, int64_t cols, TOut* out, int64_t out_ld) {
+  const int lane = threadIdx.x & 31;
+  const int64_t end = label.row0 + rows;
+  auto in_chunk = [&](int64_t p) { return tokens[p] >= label.row0 && tokens[p] < end; };
+  for (int64_t p = blockIdx.x * int64_t(kLabelWarps) + threadIdx.x / 32; p < n_tokens; p += int64_t(gridDim.x) * kLabelWarps) {
+    const uint32_t key = keys[p];
+    if (key >= uint64_t(label.vocab) || !in_chunk(p)) continue;
+    if (p > 0 && keys[p - 1] == key && tokens[p - 1] >= label.row0) continue;  // not the first
+    int64_t last = p;
+    while (last + 1 < n_tokens && keys[last + 1] == key && tokens[last + 1] < end) ++last;
+    TOut* o = out + int64_t(key) * out_ld;
+    for (int64_t j = lane; j < cols; j += 32) {
+      float sum = 0.f;
+      for (int64_t q = p; q <= last; ++q) {
+        const int64_t r = tokens[q] - label.row0;
+        sum = fmaf(label.coef[r], __bfloat162float(x[r * x_ld + j]), sum);
+      }
+      o[j] = from_float<TOut>(to_float(o[j]) + sum);
     }
   }
 }
@@ -559,7 +651,8 @@ lmloss_status launch_store_vector(const float* acc, int64_t n, bool accumulate, 
 
 lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t in_ld, const float* scale,
                                 const float* row_scale, int64_t rows, int64_t cols, void* out,
-                                int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream) {
+                                int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream,
+                                const LabelRows& label, const void* table, int64_t table_ld) {
   if (rows == 0 || cols == 0) return LMLOSS_SUCCESS;
   const size_t in_size = core::dtype_size(in_dtype), out_size = core::dtype_size(out_dtype);
   const bool vector = cols % 4 == 0 && in_ld % 4 == 0 && out_ld % 4 == 0 &&
@@ -572,10 +665,13 @@ lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t i
   auto launch = [&](auto* typed_in, auto* typed_out) {
     using TIn = std::remove_const_t<std::remove_pointer_t<decltype(typed_in)>>;
     using TOut = std::remove_pointer_t<decltype(typed_out)>;
+    const auto* w = static_cast<const __nv_bfloat16*>(table);
     if (vector)
-      scale_rows_kernel<TIn, TOut, 4><<<grid, kThreads, 0, stream>>>(typed_in, in_ld, scale, row_scale, rows, cols, typed_out, out_ld);
+      scale_rows_kernel<TIn, TOut, 4><<<grid, kThreads, 0, stream>>>(typed_in, in_ld, scale, row_scale, rows, cols,
+                                                                     typed_out, out_ld, label, w, table_ld);
     else
-      scale_rows_kernel<TIn, TOut, 1><<<grid, kThreads, 0, stream>>>(typed_in, in_ld, scale, row_scale, rows, cols, typed_out, out_ld);
+      scale_rows_kernel<TIn, TOut, 1><<<grid, kThreads, 0, stream>>>(typed_in, in_ld, scale, row_scale, rows, cols,
+                                                                     typed_out, out_ld, label, w, table_ld);
   };
   auto with_out = [&](auto* typed_in) -> lmloss_status {
     switch (out_dtype) {
@@ -592,6 +688,49 @@ lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t i
     case LMLOSS_BF16: return with_out(static_cast<const __nv_bfloat16*>(in));
     default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported input dtype for a row scaling");
   }
+}
+
+size_t label_order_bytes(int64_t n_tokens) {
+  if (n_tokens <= 0 || n_tokens > std::numeric_limits<int32_t>::max()) return 0;
+  const size_t scratch = sort_scratch_bytes(int(n_tokens));
+  const size_t vec = (sizeof(uint32_t) * size_t(n_tokens) + 255) / 256 * 256;
+  return scratch > 0 ? 4 * vec + scratch : 0;
+}
+
+lmloss_status launch_label_order(const void* labels, lmloss_dtype labels_dtype, int64_t n_tokens,
+                                 int64_t vocab, void* workspace, cudaStream_t stream) {
+  const LabelOrder o = label_order_at(workspace, n_tokens);
+  const unsigned blocks = unsigned(std::min<int64_t>((n_tokens + 255) / 256, 1024));
+  label_keys_kernel<<<blocks, 256, 0, stream>>>(labels, labels_dtype, n_tokens, vocab, o.keys_in, o.tokens_in);
+  LMLOSS_CUDA_LAUNCHED("label_keys_kernel");
+  int end_bit = 1;
+  while (end_bit < 32 && (uint64_t(1) << end_bit) <= uint64_t(vocab)) ++end_bit;  // keys up to vocab
+  size_t scratch = sort_scratch_bytes(int(n_tokens));
+  LMLOSS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(o.sort_scratch, scratch, o.keys_in, o.keys, o.tokens_in,
+                                                    o.tokens, int(n_tokens), 0, end_bit, stream));
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, const LabelRows& label,
+                                    int64_t rows, const void* x, int64_t x_ld, int64_t cols, void* out,
+                                    int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return LMLOSS_SUCCESS;
+  const LabelOrder o = label_order_at(workspace, n_tokens);
+  const unsigned blocks = unsigned(std::min<int64_t>((n_tokens + kLabelWarps - 1) / kLabelWarps, 65535));
+  const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  auto launch = [&](auto* typed_out) {
+    using TOut = std::remove_pointer_t<decltype(typed_out)>;
+    add_label_rows_kernel<TOut><<<blocks, 32 * kLabelWarps, 0, stream>>>(o.keys, o.tokens, n_tokens, label, rows, xb,
+                                                                          x_ld, cols, typed_out, out_ld);
+  };
+  switch (out_dtype) {
+    case LMLOSS_F32: launch(static_cast<float*>(out)); break;
+    case LMLOSS_BF16: launch(static_cast<__nv_bfloat16*>(out)); break;
+    case LMLOSS_F16: launch(static_cast<__half*>(out)); break;
+    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
+  }
+  LMLOSS_CUDA_LAUNCHED("add_label_rows_kernel");
+  return LMLOSS_SUCCESS;
 }
 
 lmloss_status launch_exp_shift(const ExpShiftArgs& args, cudaStream_t stream) {

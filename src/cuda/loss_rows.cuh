@@ -91,8 +91,13 @@ struct LossRowsArgs {
   // other row gets its gradient divided by token_scale written over them, and row_scale 1; a row
   // with no gradient row_scale 0. So the backward products take the stored values as they are,
   // with the rows of X (dW) and of dX (dX) scaled: no pass over the logits for most rows.
+  // The label's one-hot term stays out of the stored values (rounded into bf16, and in dW with
+  // the scaled X rounded too, the largest term of a cross-entropy gradient would carry two bf16
+  // roundings): label_grad[r] is dl/dz at the label less its softmax part, which the backward
+  // adds exactly (LabelRows below); 0 for a row without one.
   const float* exp_shift = nullptr;  // (rows)
   float* row_scale = nullptr;        // (rows)
+  float* label_grad = nullptr;       // (rows)
   // s at a teacher id whose stored value is too small to take its log: recomputed from the head.
   const void* hidden = nullptr;      // (n_tokens, hidden_size), row stride hidden_ld
   int64_t hidden_ld = 0;
@@ -166,11 +171,37 @@ lmloss_status launch_to_f32(const void* in, lmloss_dtype dtype, int64_t n, float
 // out[j] = acc[j] (+ out[j] when accumulating), converted to out's dtype.
 lmloss_status launch_store_vector(const float* acc, int64_t n, bool accumulate, void* out,
                                   lmloss_dtype out_dtype, cudaStream_t stream);
+// The exponential form's one-hot term of a chunk's rows (LossRowsArgs::label_grad): row r's
+// coefficient and its label, labels[row0 + r]; rows whose label is outside [0, vocab) have none.
+struct LabelRows {
+  const float* coef = nullptr;   // (rows); null: no term
+  const void* labels = nullptr;  // (n_tokens)
+  lmloss_dtype labels_dtype = LMLOSS_I32;
+  int64_t row0 = 0, vocab = 0;
+};
+
 // out[r, j] = in[r, j] * scale * row_scale[r] (scale a device f32, row_scale a device vector of
-// rows; either null for 1), rounded once into out's dtype (f32, bf16 or f16); in is f32 or bf16;
-// out may be in itself.
+// rows; either null for 1), plus, with label.coef, label.coef[r] * table[label of r, j] (a bf16
+// (vocab, cols) table of row stride table_ld: dX's one-hot term, a row of W), rounded once into
+// out's dtype (f32, bf16 or f16); in is f32 or bf16; out may be in itself.
 lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t in_ld, const float* scale,
                                 const float* row_scale, int64_t rows, int64_t cols, void* out,
-                                int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream);
+                                int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream,
+                                const LabelRows& label = {}, const void* table = nullptr,
+                                int64_t table_ld = 0);
+
+// dW's one-hot term, deterministically: the call's tokens ordered once by label (rows in order
+// within a label; a stable radix sort), then per chunk one warp per label present sums
+// coef[r] * x[r, :] over its rows in order and adds that to out's row of the label, rounding once.
+// label_order_bytes: the order's workspace for n_tokens (0 where it cannot be had: more tokens than
+// a 32-bit sort takes, or no device to size it for; the exponential form is then not taken).
+size_t label_order_bytes(int64_t n_tokens);
+lmloss_status launch_label_order(const void* labels, lmloss_dtype labels_dtype, int64_t n_tokens,
+                                 int64_t vocab, void* workspace, cudaStream_t stream);
+// x: the chunk's rows (bf16, row stride x_ld); out (vocab, cols) of row stride out_ld, f32, bf16
+// or f16; `workspace` as launch_label_order left it.
+lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, const LabelRows& label,
+                                    int64_t rows, const void* x, int64_t x_ld, int64_t cols, void* out,
+                                    int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream);
 
 }  // namespace lmloss::cuda
