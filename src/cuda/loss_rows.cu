@@ -498,30 +498,40 @@ __global__ void label_keys_kernel(const void* labels, lmloss_dtype labels_dtype,
   }
 }
 
-// One warp per position of the order: the first of a label's tokens in the chunk sums the
-// chunk's tokens of that label (adjacent in the order, in token order) and adds them to out.
-constexpr int kLabelWarps = 8;
-template <typename TOut>
-__global__ void __launch_bounds__(32 * kLabelWarps)
+// One block per position of the order: the first of a label's tokens in the chunk sums the
+// chunk's tokens of that label (adjacent in the order, in token order) and adds them to out's row
+// of the label, rounding once. kWidth columns per thread at a time (8: one 16-byte load of x)
+// where every row is aligned for it (a first version, a warp per label and one column per lane
+// at a time, waited on its loads).
+constexpr int kLabelThreads = 128;
+template <typename TOut, int kWidth>
+__global__ void __launch_bounds__(kLabelThreads)
     add_label_rows_kernel(const uint32_t* keys, const int32_t* tokens, int64_t n_tokens, const LabelRows label,
-                          int64_t rows, const __nv_bfloat16* x, int64_t x_ld, int64_t cols, TOut* out, int64_t out_ld) {
-  const int lane = threadIdx.x & 31;
+                          int64_t rows, const __nv_bfloat16* __restrict__ x, int64_t x_ld, int64_t cols,
+                          TOut* __restrict__ out, int64_t out_ld) {
   const int64_t end = label.row0 + rows;
-  auto in_chunk = [&](int64_t p) { return tokens[p] >= label.row0 && tokens[p] < end; };
-  for (int64_t p = blockIdx.x * int64_t(kLabelWarps) + threadIdx.x / 32; p < n_tokens; p += int64_t(gridDim.x) * kLabelWarps) {
+  for (int64_t p = blockIdx.x; p < n_tokens; p += gridDim.x) {
     const uint32_t key = keys[p];
-    if (key >= uint64_t(label.vocab) || !in_chunk(p)) continue;
+    const int64_t token = tokens[p];
+    if (key >= uint64_t(label.vocab) || token < label.row0 || token >= end) continue;
     if (p > 0 && keys[p - 1] == key && tokens[p - 1] >= label.row0) continue;  // not the first
     int64_t last = p;
     while (last + 1 < n_tokens && keys[last + 1] == key && tokens[last + 1] < end) ++last;
     TOut* o = out + int64_t(key) * out_ld;
-    for (int64_t j = lane; j < cols; j += 32) {
-      float sum = 0.f;
+    for (int64_t j = int64_t(threadIdx.x) * kWidth; j < cols; j += int64_t(blockDim.x) * kWidth) {
+      float sum[kWidth] = {};
       for (int64_t q = p; q <= last; ++q) {
         const int64_t r = tokens[q] - label.row0;
-        sum = fmaf(label.coef[r], __bfloat162float(x[r * x_ld + j]), sum);
+        const float c = label.coef[r];
+        const Pack<__nv_bfloat16, kWidth> xv = *reinterpret_cast<const Pack<__nv_bfloat16, kWidth>*>(x + r * x_ld + j);
+#pragma unroll
+        for (int e = 0; e < kWidth; ++e) sum[e] = fmaf(c, __bfloat162float(xv.v[e]), sum[e]);
       }
-      o[j] = from_float<TOut>(to_float(o[j]) + sum);
+      Pack<TOut, kWidth>* at = reinterpret_cast<Pack<TOut, kWidth>*>(o + j);
+      Pack<TOut, kWidth> ov = *at;
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) ov.v[e] = from_float<TOut>(to_float(ov.v[e]) + sum[e]);
+      *at = ov;
     }
   }
 }
@@ -716,12 +726,19 @@ lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, con
                                     int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return LMLOSS_SUCCESS;
   const LabelOrder o = label_order_at(workspace, n_tokens);
-  const unsigned blocks = unsigned(std::min<int64_t>((n_tokens + kLabelWarps - 1) / kLabelWarps, 65535));
+  const unsigned blocks = unsigned(std::min<int64_t>(n_tokens, 1 << 20));
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  const size_t out_size = core::dtype_size(out_dtype);
+  const bool vector = cols % 8 == 0 && x_ld % 8 == 0 && out_ld % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(out) % (8 * out_size) == 0;
   auto launch = [&](auto* typed_out) {
     using TOut = std::remove_pointer_t<decltype(typed_out)>;
-    add_label_rows_kernel<TOut><<<blocks, 32 * kLabelWarps, 0, stream>>>(o.keys, o.tokens, n_tokens, label, rows, xb,
-                                                                          x_ld, cols, typed_out, out_ld);
+    if (vector)
+      add_label_rows_kernel<TOut, 8><<<blocks, kLabelThreads, 0, stream>>>(o.keys, o.tokens, n_tokens, label, rows,
+                                                                           xb, x_ld, cols, typed_out, out_ld);
+    else
+      add_label_rows_kernel<TOut, 1><<<blocks, kLabelThreads, 0, stream>>>(o.keys, o.tokens, n_tokens, label, rows,
+                                                                           xb, x_ld, cols, typed_out, out_ld);
   };
   switch (out_dtype) {
     case LMLOSS_F32: launch(static_cast<float*>(out)); break;
