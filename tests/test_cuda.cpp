@@ -331,6 +331,25 @@ TEST_F(Cuda, FusedStepKeepsTheLabelTermExactWithF32Gradients) {
   }
 }
 
+// The label term's dW rows where the caller's dW rows are not aligned for 8-wide access (a row
+// stride of hidden + 1, f32 and bf16): the single-column path, every element written, the
+// padding untouched.
+TEST_F(Cuda, FusedStepAddsTheLabelTermToAWeightGradientOfOddStride) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4019);
+  const int64_t n_tokens = 300, vocab = 509, hidden = 128;
+  for (lmloss_dtype grad_dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+    SCOPED_TRACE(dtype_name(grad_dtype));
+    LossCase c(gen.problem({.n_tokens = n_tokens, .vocab = vocab, .hidden = hidden}), options_named("plain"),
+               setup(LMLOSS_BF16, grad_dtype));
+    c.grad_weight = Buffer(Device::cuda, grad_dtype, 2, vocab, hidden, hidden + 1);
+    lmloss::Context ctx;
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_matches_reference(c, Mode::forward_backward);
+  }
+}
+
 // Distillation on the same path: s at the teacher's ids comes from the product's shifted logits.
 // Teachers of 1, 16 and V entries (with V, every id and so the label too), cross-entropy mixed
 // in, one chunk and several, bitwise on a second run; a forward with a teacher keeps the cuBLASLt
