@@ -191,7 +191,7 @@ lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t i
                                 int64_t table_ld = 0);
 
 // dW's one-hot term, deterministically: the call's tokens ordered once by label (rows in order
-// within a label; a stable radix sort), then per chunk one warp per label present sums
+// within a label; a stable radix sort), then per chunk one thread block per label present sums
 // coef[r] * x[r, :] over its rows in order and adds that to out's row of the label, rounding once.
 // label_order_bytes: the order's workspace for n_tokens (0 where it cannot be had: more tokens than
 // a 32-bit sort takes, or no device to size it for; the exponential form is then not taken).
