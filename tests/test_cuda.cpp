@@ -733,6 +733,23 @@ TEST_F(Cuda, WorkspaceStaysWithinBudgetAndComesFromTheCallersAllocator) {
   EXPECT_EQ(c.forward_backward(tiny.get()), LMLOSS_ERROR_INVALID_ARGUMENT);
 }
 
+// A budget that holds the gradient pass's pieces but not the exponential form's label order (16
+// bytes a token): a fused bf16 step of many short rows still runs, on the gradient pass, within it.
+TEST_F(Cuda, FusedStepWithoutRoomForTheLabelOrderTakesTheGradientPass) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4020);
+  const int64_t n_tokens = 65536;
+  LossCase c(gen.problem({.n_tokens = n_tokens, .vocab = 257, .hidden = 64}), lmloss_loss_options_default(),
+             setup(LMLOSS_BF16, LMLOSS_F32));
+  const size_t budget = 12 * size_t(n_tokens);  // the per-token loss takes 4 of them
+  lmloss::Context ctx;
+  ctx.set_workspace_budget(budget);
+  ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  expect_matches_reference(c, Mode::forward_backward);
+  EXPECT_LE(ctx.peak_workspace(), budget);
+}
+
 TEST_F(Cuda, F64IsRejectedWithAMessage) {
   Generator gen(4008);
   LossCase c(gen.problem({.n_tokens = 4, .vocab = 50}), lmloss_loss_options_default(),

@@ -297,6 +297,10 @@ bool takes_exp_form(const core::LossCall& call) {
   return call.input_dtype == LMLOSS_BF16 && call.options.label_smoothing == 0;
 }
 
+// A row's column-tile partials of the statistics product (max, sum exp, sum s; see
+// row_stats_product.cuh).
+size_t partials_row_bytes(int64_t vocab) { return sizeof(float4) * size_t(row_stats_tiles(vocab)); }
+
 int64_t chunk_count(int64_t n, int64_t rows) { return rows > 0 ? (n + rows - 1) / rows : 0; }
 
 // Chunks of at most `rows` evened out over n tokens (a multiple of 128 rows): a short last
@@ -387,7 +391,7 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
       pc[kMatmulWs] = {};
       p.matmul_ws = 0;
     }
-    pc[kPartials] = {0, sizeof(float4) * size_t(row_stats_tiles(call.vocab)), 256};
+    pc[kPartials] = {0, partials_row_bytes(call.vocab), 256};
     pc[kLabelS] = {0, sizeof(float), 16};
     // The exponential form's dW takes the tokens ordered by label (0 bytes: not to be had).
     const bool orders_labels = call.targets.labels.data && call.grads.grad_weight.data;
@@ -404,6 +408,14 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     pc[kProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
   }
   p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
+  if (p.exp_form && p.chunk_rows == 0) {
+    // A budget too small for the exponential form's pieces (the label order takes 16 bytes a
+    // token, the f32 dX 4 x hidden a row) may still hold the gradient pass's.
+    p.exp_form = false;
+    pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = pc[kLabelOrder] = {};
+    pc[kPartials].per_row = partials_row_bytes(call.vocab);
+    p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
+  }
   if (p.row_stats_product && grads_formed)
     p.chunk_rows = p.logits_rows = evened_chunk_rows(call.n_tokens, p.chunk_rows);
   if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32 && !p.row_stats_product)
