@@ -49,6 +49,14 @@ class Cuda : public ::testing::Test {
     return std::string(dtype_name(dtype)) + " " + name + " N " + std::to_string(shape.n_tokens) + " V " +
            std::to_string(shape.vocab) + " H " + std::to_string(shape.hidden);
   }
+  // A fused step against the reference, then run again in the same context: bitwise the same.
+  static void expect_reference_then_bitwise_rerun(LossCase& c, lmloss::Context& ctx) {
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_matches_reference(c, Mode::forward_backward);
+    const std::vector<double> first = c.output_values();
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_TRUE(bitwise_equal(first, c.output_values()));
+  }
 };
 
 lmloss_loss_options options_named(const std::string& name) {
@@ -251,14 +259,10 @@ TEST_F(Cuda, FusedStepFromTheProductMatchesReference) {
           LossCase c(gen.problem(spec), options_named(name), product_setup(dtype, grad_dtype, shape));
           lmloss::Context ctx;
           if (chunked) ctx.set_workspace_budget(budget_for_rows(std::max<int64_t>(shape.n_tokens / 3, 1), shape.vocab));
-          ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-          expect_matches_reference(c, Mode::forward_backward);
+          ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
           if (!chunked) {
             EXPECT_LT(ctx.peak_workspace(), product_path_workspace_bound(shape.n_tokens, shape.vocab, 0));
           }
-          const std::vector<double> first = c.output_values();
-          ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-          EXPECT_TRUE(bitwise_equal(first, c.output_values()));
         }
       }
     }
@@ -286,11 +290,7 @@ TEST_F(Cuda, FusedStepWithFarLabelsMatchesReference) {
         LossCase c(gen.problem(spec), options_named(name), setup(LMLOSS_BF16, chunked ? LMLOSS_BF16 : LMLOSS_F32));
         lmloss::Context ctx;
         if (chunked) ctx.set_workspace_budget(budget_for_rows(n_tokens / 3, vocab));
-        ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-        expect_matches_reference(c, Mode::forward_backward);
-        const std::vector<double> first = c.output_values();
-        ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-        EXPECT_TRUE(bitwise_equal(first, c.output_values()));
+        ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
       }
     }
   }
@@ -319,14 +319,10 @@ TEST_F(Cuda, FusedStepKeepsTheLabelTermExactWithF32Gradients) {
       LossCase c(p, options_named("plain"), setup(LMLOSS_BF16, LMLOSS_F32));
       lmloss::Context ctx;
       if (chunked) ctx.set_workspace_budget(budget_for_rows(shape.n_tokens / 3, shape.vocab));
-      ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-      expect_matches_reference(c, Mode::forward_backward);
+      ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
       const reference::LossResult ref = c.reference();
       EXPECT_LT(reference::relative_error(c.grad_hidden.values(), ref.grad_hidden), shape.bound);
       EXPECT_LT(reference::relative_error(c.grad_weight.values(), ref.grad_weight), shape.bound);
-      const std::vector<double> first = c.output_values();
-      ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-      EXPECT_TRUE(bitwise_equal(first, c.output_values()));
     }
   }
 }
@@ -371,14 +367,10 @@ TEST_F(Cuda, DistillationFromTheProductMatchesReference) {
         LossCase c(gen.problem(spec), options_named("distill_mixed"), setup(dtype, chunked ? dtype : LMLOSS_F32));
         lmloss::Context ctx;
         if (chunked) ctx.set_workspace_budget(budget_for_rows(std::max<int64_t>(shape.n_tokens / 3, 1), shape.vocab));
-        ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-        expect_matches_reference(c, Mode::forward_backward);
+        ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
         if (!chunked) {
           EXPECT_LT(ctx.peak_workspace(), product_path_workspace_bound(shape.n_tokens, shape.vocab, shape.top_k));
         }
-        const std::vector<double> first = c.output_values();
-        ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-        EXPECT_TRUE(bitwise_equal(first, c.output_values()));
         if (!chunked) {
           lmloss::Context forward_ctx;
           ASSERT_EQ(c.forward(forward_ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
