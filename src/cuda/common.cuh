@@ -169,6 +169,9 @@ __device__ float warp_dot(const T* x, const T* w, int64_t h) {
   return warp_reduce(sum, Sum{});
 }
 
+// log2(e): exp(x) = exp2(x kLog2e), the form the exponential unit takes.
+constexpr float kLog2e = 1.4426950408889634f;
+
 // Online (max, sum of exp(x - max)) pairs, merged.
 struct MaxSum {
   float max;

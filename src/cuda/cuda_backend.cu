@@ -394,9 +394,10 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     pc[kPartials] = {0, partials_row_bytes(call.vocab), 256};
     pc[kLabelS] = {0, sizeof(float), 16};
     // The exponential form's dW takes the tokens ordered by label (0 bytes: not to be had).
-    const bool orders_labels = call.targets.labels.data && call.grads.grad_weight.data;
-    const size_t order_bytes = grads_formed && takes_exp_form(call) && orders_labels ? label_order_bytes(call.n_tokens) : 0;
-    if (grads_formed && takes_exp_form(call) && (!orders_labels || order_bytes > 0)) {
+    const bool exp_form = grads_formed && takes_exp_form(call);
+    const bool orders_labels = exp_form && call.targets.labels.data && call.grads.grad_weight.data;
+    const size_t order_bytes = orders_labels ? label_order_bytes(call.n_tokens) : 0;
+    if (exp_form && (!orders_labels || order_bytes > 0)) {
       // The rows' shifts and scales; after the row kernel the partials' space holds the chunk's
       // f32 dX before its rows are scaled, then its rows of X scaled for dW.
       p.exp_form = true;
@@ -562,7 +563,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   if (bias) LMLOSS_CHECK(launch_to_f32(call.head.bias.data, call.head.bias.dtype, call.vocab, bias, r.stream));
   if (label_order)
     LMLOSS_CHECK(launch_label_order(call.targets.labels.data, call.targets.labels.dtype, call.n_tokens, call.vocab,
-                                    label_order, r.stream));
+                                    label_order, pc[kLabelOrder].fixed, r.stream));
 
   LossRowsArgs a = row_args_common(call);
   a.work = plan.row_stats_product             ? (grads_computed(call) ? RowWork::stats_and_grad_from_partials

@@ -305,7 +305,6 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     } else if (partial) {
       // exp(v + shift - lse) as 2^(v log2 e + (shift - lse) log2 e): one FMA and the exp unit.
       const float ds_dz = scale.derivative(0.f);  // no soft-capping here: 1 / T
-      constexpr float kLog2e = 1.4426950408889634f;
       map_shifted_row(z, dz, V, partial, [&](float v, float tile_max) {
         return (p_coef * exp2f(fmaf(v, kLog2e, (tile_max - lse) * kLog2e)) + offset) * ds_dz;
       });
@@ -475,10 +474,12 @@ size_t sort_scratch_bytes(int n) {
   return e == cudaSuccess ? bytes : 0;
 }
 
-// The pieces of the order's workspace, each 256-byte aligned.
+// One of the order's four vectors of n_tokens 32-bit values, rounded to 256 bytes.
+size_t label_vector_bytes(int64_t n_tokens) { return (sizeof(uint32_t) * size_t(n_tokens) + 255) / 256 * 256; }
+
+// The pieces of the order's workspace: the four vectors, then the sort's scratch.
 LabelOrder label_order_at(const void* workspace, int64_t n_tokens) {
-  auto round = [](size_t b) { return (b + 255) / 256 * 256; };
-  const size_t vec = round(sizeof(uint32_t) * size_t(n_tokens));
+  const size_t vec = label_vector_bytes(n_tokens);
   char* base = static_cast<char*>(const_cast<void*>(workspace));
   LabelOrder o;
   o.keys_in = reinterpret_cast<uint32_t*>(base);
@@ -703,19 +704,18 @@ lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t i
 size_t label_order_bytes(int64_t n_tokens) {
   if (n_tokens <= 0 || n_tokens > std::numeric_limits<int32_t>::max()) return 0;
   const size_t scratch = sort_scratch_bytes(int(n_tokens));
-  const size_t vec = (sizeof(uint32_t) * size_t(n_tokens) + 255) / 256 * 256;
-  return scratch > 0 ? 4 * vec + scratch : 0;
+  return scratch > 0 ? 4 * label_vector_bytes(n_tokens) + scratch : 0;
 }
 
 lmloss_status launch_label_order(const void* labels, lmloss_dtype labels_dtype, int64_t n_tokens,
-                                 int64_t vocab, void* workspace, cudaStream_t stream) {
+                                 int64_t vocab, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const LabelOrder o = label_order_at(workspace, n_tokens);
   const unsigned blocks = unsigned(std::min<int64_t>((n_tokens + 255) / 256, 1024));
   label_keys_kernel<<<blocks, 256, 0, stream>>>(labels, labels_dtype, n_tokens, vocab, o.keys_in, o.tokens_in);
   LMLOSS_CUDA_LAUNCHED("label_keys_kernel");
   int end_bit = 1;
   while (end_bit < 32 && (uint64_t(1) << end_bit) <= uint64_t(vocab)) ++end_bit;  // keys up to vocab
-  size_t scratch = sort_scratch_bytes(int(n_tokens));
+  size_t scratch = workspace_bytes - 4 * label_vector_bytes(n_tokens);  // no second query per call
   LMLOSS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(o.sort_scratch, scratch, o.keys_in, o.keys, o.tokens_in,
                                                     o.tokens, int(n_tokens), 0, end_bit, stream));
   return LMLOSS_SUCCESS;

@@ -196,8 +196,9 @@ lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t i
 // label_order_bytes: the order's workspace for n_tokens (0 where it cannot be had: more tokens than
 // a 32-bit sort takes, or no device to size it for; the exponential form is then not taken).
 size_t label_order_bytes(int64_t n_tokens);
+// workspace: label_order_bytes(n_tokens) of them.
 lmloss_status launch_label_order(const void* labels, lmloss_dtype labels_dtype, int64_t n_tokens,
-                                 int64_t vocab, void* workspace, cudaStream_t stream);
+                                 int64_t vocab, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 // x: the chunk's rows (bf16, row stride x_ld); out (vocab, cols) of row stride out_ld, f32, bf16
 // or f16; `workspace` as launch_label_order left it.
 lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, const LabelRows& label,

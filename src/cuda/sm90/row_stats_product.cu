@@ -44,8 +44,6 @@ namespace {
 
 using namespace cute;
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 template <typename Element>
 struct RowStatsOut {
   float inv_temperature;
