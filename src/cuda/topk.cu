@@ -129,20 +129,67 @@ __device__ void sort_desc_padded(uint64_t* keys, int count, int at_least = 1) {
   bitonic_sort_desc(keys, n);
 }
 
-// Sorts of fewer keys than this cost less than the three select passes that would halve them
-// (top-k 129, 256 keys instead of 512, measured slower with the select).
+// A block's shared scratch for select_top.
+struct SelectScratch {
+  int* hist;  // (kBins)
+  int* digit;
+  int* above;
+  int* count;
+};
+
+// out[0, k) = the k largest of keys[0, n), descending (keys may hold zeros, which lose): a radix
+// select over the 64-bit composites narrows to at most `capacity` of them (they are distinct, so
+// it always can; capacity >= k), which are gathered into out and sorted by a bitonic sort padded
+// to a power of two (out holds capacity's, itself a power of two). The caller has synchronised
+// the keys; where n > capacity the caller may have read n from *sh.count (a stage's barriers pass
+// before it is written).
+__device__ void select_top(const uint64_t* keys, int n, int k, uint64_t* out, int capacity, const SelectScratch& sh) {
+  constexpr int kStageBits[6] = {11, 11, 10, 11, 11, 10};
+  const int warp = threadIdx.x >> 5;
+  uint64_t prefix = 0;
+  int shift = 64, k_rem = k, above = 0, count = n;
+  for (int stage = 0; stage < 6 && count > capacity; ++stage) {
+    const int bits = kStageBits[stage], next = shift - bits;
+    const uint64_t mask = (uint64_t(1) << bits) - 1;
+    for (int b = threadIdx.x; b < (1 << bits); b += blockDim.x) sh.hist[b] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const uint64_t c = keys[i];
+      if (stage == 0 || (c >> shift) == prefix) histogram_add(sh.hist, int((c >> next) & mask));
+    }
+    __syncthreads();
+    if (warp == 0) find_digit(sh.hist, 1 << bits, k_rem, sh.digit, sh.above);
+    __syncthreads();
+    prefix = (prefix << bits) | uint64_t(*sh.digit);
+    shift = next;
+    above += *sh.above;
+    k_rem -= *sh.above;
+    count = above + sh.hist[*sh.digit];
+    __syncthreads();  // hist and digit are written again
+  }
+  // Still too many only when the k-th is an empty slot (fewer than k real keys): the real ones.
+  const bool real_only = count > capacity;
+  if (threadIdx.x == 0) *sh.count = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const uint64_t c = keys[i];
+    if ((shift == 64 || (c >> shift) >= prefix) && !(real_only && c == 0)) out[atomicAdd(sh.count, 1)] = c;
+  }
+  __syncthreads();
+  sort_desc_padded(out, *sh.count, k);
+}
+
+// Sorts of fewer keys than this cost less than the select passes that would halve them (top-k
+// 129, 256 keys instead of 512, measured slower with a select).
 constexpr int kSelectFromKeys = 4096;
 
 // The k largest of the composites keys[0, count) in shared memory, sorted descending, at the
 // returned address. Where count's power of two is at least kSelectFromKeys and above k's, and the
-// space after the keys holds k's, the k-th largest key T is found first (radix select over the
-// keys, kStages' digits) and only the composites whose key reaches T are sorted, behind the keys:
-// the k largest are all among them, so the result is the same as sorting all count (a sort of
-// 4096 keys for 2048, measured as most of the k 2048 rows kernel's time beyond its reads). More
-// than k's power of two reaching T (ties at T): all count sorted.
-// hist (kBins), the three ints: the caller's shared scratch. The caller has synchronised the keys.
-__device__ const uint64_t* sort_top_k(uint64_t* keys, int count, int64_t k, int capacity, int* hist,
-                                      int* digit_shared, int* above_shared, int* count_shared) {
+// space after the keys holds k's, select_top narrows them to at most k's power of two behind the
+// keys and sorts those (a sort of 2048 keys for k 2048 instead of 4096: the sort was most of the
+// k 2048 rows kernel's time beyond its reads); else all count are sorted in place. The caller has
+// synchronised the keys.
+__device__ const uint64_t* sort_top_k(uint64_t* keys, int count, int64_t k, int capacity, const SelectScratch& sh) {
   int k_pow2 = 1, count_pow2 = 1;
   while (k_pow2 < k) k_pow2 <<= 1;
   while (count_pow2 < count) count_pow2 <<= 1;
@@ -150,44 +197,8 @@ __device__ const uint64_t* sort_top_k(uint64_t* keys, int count, int64_t k, int 
     sort_desc_padded(keys, count);
     return keys;
   }
-  uint32_t prefix = 0;
-  int shift = 32;
-  int64_t k_rem = k;
-  for (int stage = 0; stage < 3; ++stage) {
-    const Stage st = kStages[stage];
-    for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
-    __syncthreads();
-    const uint32_t mask = (1u << st.bits) - 1u;
-    for (int i = threadIdx.x; i < count; i += blockDim.x) {
-      const uint32_t key = static_cast<uint32_t>(keys[i] >> 32);
-      if (shift == 32 || (key >> shift) == prefix) atomicAdd(&hist[(key >> st.shift) & mask], 1);
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) find_digit(hist, 1 << st.bits, k_rem, digit_shared, above_shared);
-    __syncthreads();
-    prefix = (shift == 32 ? 0u : prefix << st.bits) | static_cast<uint32_t>(*digit_shared);
-    shift = st.shift;
-    k_rem -= *above_shared;
-    __syncthreads();  // the shared digit is read before the next stage writes it
-  }
-  const uint32_t threshold = prefix;  // the k-th largest key, exactly (the last stage's shift is 0)
-  uint64_t* top = keys + count;
-  if (threadIdx.x == 0) *count_shared = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < count; i += blockDim.x) {
-    if (static_cast<uint32_t>(keys[i] >> 32) >= threshold) {
-      const int at = atomicAdd(count_shared, 1);
-      if (at < k_pow2) top[at] = keys[i];  // the space reserved behind the keys; ties may overrun it
-    }
-  }
-  __syncthreads();
-  const int reaching = *count_shared;
-  if (reaching > k_pow2) {
-    sort_desc_padded(keys, count);
-    return keys;
-  }
-  sort_desc_padded(top, reaching, k_pow2);
-  return top;
+  select_top(keys, count, int(k), keys + count, k_pow2, sh);
+  return keys + count;
 }
 
 // ids, probs and tail of token t from its k sorted keys (shared or device memory).
@@ -240,6 +251,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const TopkRowsA
   __shared__ float2 maxsum_scratch[32];
   __shared__ float sum_scratch[32];
   __shared__ int warp_counts[32];
+  const SelectScratch select_scratch{hist, &digit_shared, &above_shared, &count_shared};
   const int64_t V = a.vocab;
   const bool large = a.k > kCapacity;
   const int warps = blockDim.x / 32;
@@ -283,8 +295,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const TopkRowsA
       const float lse = want_lse ? block_lse(acc, maxsum_scratch) : 0.f;
       const int n_candidates = count_shared;
       if (n_candidates >= a.k && n_candidates <= kCapacity) {
-        const uint64_t* top = sort_top_k(candidates, n_candidates, a.k, kCapacity, hist, &digit_shared,
-                                         &above_shared, &count_shared);
+        const uint64_t* top = sort_top_k(candidates, n_candidates, a.k, kCapacity, select_scratch);
         write_output(a, t, top, lse, sum_scratch);
         __syncthreads();
         continue;
@@ -338,8 +349,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const TopkRowsA
           if ((key >> shift) >= prefix) candidates[atomicAdd(&count_shared, 1)] = composite(key, j);
         });
         __syncthreads();
-        const uint64_t* top = sort_top_k(candidates, static_cast<int>(n_candidates), a.k, kCapacity, hist,
-                                         &digit_shared, &above_shared, &count_shared);
+        const uint64_t* top = sort_top_k(candidates, static_cast<int>(n_candidates), a.k, kCapacity, select_scratch);
         write_output(a, t, top, lse, sum_scratch);
         collected = true;
       }
@@ -413,45 +423,6 @@ struct SelectShared {
   int digit, above, count;
 };
 
-// merge[0, k) = the k largest of keys[0, n), descending (keys may hold zeros, which lose): a
-// radix select over the 64-bit composites narrows to at most kMergeCapacity of them (they are
-// distinct, so it always can), which a bitonic sort orders.
-__device__ void select_top(const uint64_t* keys, int n, int k, SelectShared& sh) {
-  constexpr int kStageBits[6] = {11, 11, 10, 11, 11, 10};
-  const int warp = threadIdx.x >> 5;
-  uint64_t prefix = 0;
-  int shift = 64, k_rem = k, above = 0, count = n;
-  for (int stage = 0; stage < 6 && count > kMergeCapacity; ++stage) {
-    const int bits = kStageBits[stage], next = shift - bits;
-    const uint64_t mask = (uint64_t(1) << bits) - 1;
-    for (int b = threadIdx.x; b < (1 << bits); b += blockDim.x) sh.hist[b] = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const uint64_t c = keys[i];
-      if (stage == 0 || (c >> shift) == prefix) histogram_add(sh.hist, int((c >> next) & mask));
-    }
-    __syncthreads();
-    if (warp == 0) find_digit(sh.hist, 1 << bits, k_rem, &sh.digit, &sh.above);
-    __syncthreads();
-    prefix = (prefix << bits) | uint64_t(sh.digit);
-    shift = next;
-    above += sh.above;
-    k_rem -= sh.above;
-    count = above + sh.hist[sh.digit];
-    __syncthreads();  // hist and digit are written again
-  }
-  // Still too many only when the k-th is an empty slot (fewer than k real keys): the real ones.
-  const bool real_only = count > kMergeCapacity;
-  if (threadIdx.x == 0) sh.count = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const uint64_t c = keys[i];
-    if ((shift == 64 || (c >> shift) >= prefix) && !(real_only && c == 0)) sh.merge[atomicAdd(&sh.count, 1)] = c;
-  }
-  __syncthreads();
-  sort_desc_padded(sh.merge, sh.count, k);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const TopkCandidatesArgs a) {
   extern __shared__ uint64_t candidates[];  // (n) of the row
@@ -463,6 +434,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
   const int n = int(a.tiles * kTopkCandidatesPerTile);
   const int k = int(a.select.k);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const SelectScratch select_scratch{sh.hist, &sh.digit, &sh.above, &sh.count};
 
   for (int64_t r = blockIdx.x; r < a.select.rows; r += gridDim.x) {
     const int64_t t = a.select.row0 + r;
@@ -470,7 +442,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
     for (int i = threadIdx.x; i < n; i += blockDim.x) candidates[i] = row[i];
     if (threadIdx.x == 0) flagged_count = 0;
     __syncthreads();
-    select_top(candidates, n, k, sh);
+    select_top(candidates, n, k, sh.merge, kMergeCapacity, select_scratch);
 
     // A selected group whose second-largest value reaches the k-th may hold more of the top k.
     const uint64_t kth = sh.merge[k - 1];
@@ -484,7 +456,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
       // The top k of every other group's largest, then each flagged group's logits merged in.
       for (int f = threadIdx.x; f < n_flagged; f += blockDim.x) candidates[flagged[f]] = 0;
       __syncthreads();
-      select_top(candidates, n, k, sh);
+      select_top(candidates, n, k, sh.merge, kMergeCapacity, select_scratch);
       const T* x = static_cast<const T*>(a.hidden) + t * a.hidden_ld;
       const T* w = static_cast<const T*>(a.weight);
       for (int f0 = 0; f0 < n_flagged; f0 += kRecomputeGroups) {
