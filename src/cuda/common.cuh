@@ -231,4 +231,7 @@ inline unsigned int row_grid(int64_t rows) {
   return static_cast<unsigned int>(rows < limit ? (rows > 0 ? rows : 1) : limit);
 }
 
+// Workspace pieces start on 256-byte boundaries, as cudaMalloc's blocks do.
+inline size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
+
 }  // namespace lmloss::cuda

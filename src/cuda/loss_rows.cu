@@ -475,7 +475,7 @@ size_t sort_scratch_bytes(int n) {
 }
 
 // One of the order's four vectors of n_tokens 32-bit values, rounded to 256 bytes.
-size_t label_vector_bytes(int64_t n_tokens) { return (sizeof(uint32_t) * size_t(n_tokens) + 255) / 256 * 256; }
+size_t label_vector_bytes(int64_t n_tokens) { return align256(sizeof(uint32_t) * size_t(n_tokens)); }
 
 // The pieces of the order's workspace: the four vectors, then the sort's scratch.
 LabelOrder label_order_at(const void* workspace, int64_t n_tokens) {

@@ -490,8 +490,6 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
   }
 }
 
-size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
-
 size_t cub_temp_bytes(int64_t rows, int64_t k) {
   size_t temp = 0;
   cub::DeviceSegmentedSort::SortKeysDescending(nullptr, temp, static_cast<const uint64_t*>(nullptr),

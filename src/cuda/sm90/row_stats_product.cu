@@ -493,7 +493,7 @@ bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hid
 
 size_t row_stats_product_workspace(const RowStatsProductArgs& args) {
   const size_t bytes = with_gemm(args, [&](auto gemm) { return decltype(gemm)::workspace(args); });
-  return (bytes + 255) / 256 * 256;
+  return align256(bytes);
 }
 
 lmloss_status run_row_stats_product(const RowStatsProductArgs& args, void* workspace, cudaStream_t stream) {
