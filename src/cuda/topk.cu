@@ -12,6 +12,11 @@ namespace {
 constexpr int kTopkThreads = 512;
 constexpr int kCapacity = 8192;  // candidates sorted in shared memory (64 KiB of keys)
 constexpr int kBins = 2048;
+// The rows kernel keeps rows in flight on each SM, one block's reads under another's sorts (at
+// kTopkThreads it held 124 registers a thread, one block per SM); the L1/shared split must then
+// leave room for three blocks' candidates, 3 x 73 KiB.
+constexpr int kTopkRowsThreads = 256;
+constexpr int kTopkRowsBlocksPerSM = 3;
 
 // hist[bin] += 1 for each calling lane, one shared-memory atomic per distinct bin of the warp:
 // candidates crowd a few of the top digit's bins (sign, exponent and two mantissa bits). (Over a
@@ -244,7 +249,7 @@ __device__ SamplePlan sample_plan(int64_t vocab, int64_t k) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const TopkRowsArgs a) {
+__global__ void __launch_bounds__(kTopkRowsThreads, kTopkRowsBlocksPerSM) topk_rows_kernel(const TopkRowsArgs a) {
   extern __shared__ uint64_t candidates[];  // (kCapacity)
   __shared__ int hist[kBins];
   __shared__ int digit_shared, above_shared, count_shared;
@@ -512,7 +517,11 @@ lmloss_status allow_dynamic_shared(Kernel kernel, size_t bytes) {
 template <typename T>
 lmloss_status launch_typed(const TopkRowsArgs& a, cudaStream_t stream) {
   LMLOSS_CHECK(allow_dynamic_shared(topk_rows_kernel<T>, kCapacity * sizeof(uint64_t)));
-  topk_rows_kernel<T><<<row_grid(a.rows), kTopkThreads, kCapacity * sizeof(uint64_t), stream>>>(a);
+  const cudaError_t carveout = cudaFuncSetAttribute(topk_rows_kernel<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                    int(cudaSharedmemCarveoutMaxShared));
+  if (carveout != cudaSuccess)
+    return core::fail(LMLOSS_ERROR_BACKEND, std::string("topk shared memory carveout: ") + cudaGetErrorString(carveout));
+  topk_rows_kernel<T><<<row_grid(a.rows), kTopkRowsThreads, kCapacity * sizeof(uint64_t), stream>>>(a);
   LMLOSS_CUDA_LAUNCHED("topk_rows_kernel");
   return LMLOSS_SUCCESS;
 }
