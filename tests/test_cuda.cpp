@@ -496,6 +496,65 @@ TEST_F(Cuda, TopkFromTheProductRecomputesGroups) {
   }
 }
 
+// Teacher top-k through a 16-bit head for k past the tiles' candidates, selected from the logits
+// the product keeps at or above a bar taken from a sample of each row (W's rows step i + step / 2,
+// step = V / 1024): against the reference for k 129 to past where the list outgrows shared
+// memory, in both dtypes, renormalised at T 1 or with the tail at T 0.7; bitwise on a second run;
+// in token chunks under a small budget. Two rows take the way around: token 1's hidden state
+// is zero (every logit ties, the list overflows), and token 2 sees only W's first column, which
+// is large at every sampled row and small elsewhere (its bar is set too high: fewer than k pass).
+TEST_F(Cuda, TopkFromTheProductAboveASampledBar) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4020);
+  const int64_t n = 70, V = 50021, H = 72;
+  reference::Problem p = gen.problem({.n_tokens = n, .vocab = V, .hidden = H});
+  for (int64_t t = 0; t < n; ++t) p.hidden_states[t * H] = 0.0;  // W's first column is token 2's alone
+  for (int64_t h = 0; h < H; ++h) {
+    p.hidden_states[1 * H + h] = 0.0;
+    p.hidden_states[2 * H + h] = h == 0 ? 1.0 : 0.0;
+  }
+  const int64_t step = V / 1024;
+  for (int64_t j = 0; j < V; ++j) {
+    const bool sampled = j % step == step / 2 && j / step < 1024;
+    double& w = p.weight[j * H];
+    w = sampled ? 4.0 + double((j / step) % 64) / 16 : w / 16;  // exact in 16 bits where sampled
+  }
+  for (const lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
+    for (const int64_t k : {int64_t(129), int64_t(1000), int64_t(4500)}) {
+      for (const double temperature : {1.0, 0.7}) {
+        const int renormalize = temperature == 1.0;
+        SCOPED_TRACE(std::string(dtype_name(dtype)) + " k " + std::to_string(k) + " T " +
+                     std::to_string(temperature) + " renormalize " + std::to_string(renormalize));
+        lmloss_topk_options o = lmloss_topk_options_default();
+        o.k = k;
+        o.temperature = temperature;
+        o.renormalize = renormalize;
+        TopkCase tc(p, o, {.device = Device::cuda, .dtype = dtype});
+        lmloss::Context ctx;
+        ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
+        // The lists (at most 115 KB a row here), the sample, 16 rows redone and cuBLASLt's
+        // workspace for the sample (4 MiB): no logits chunk (n x V x 4 bytes, 14 MB) nor the
+        // logits product's 32 MiB of cuBLASLt workspace.
+        EXPECT_LT(ctx.peak_workspace(), size_t(20) << 20);
+        const std::vector<int64_t> ids = tc.ids.ids();
+        const std::vector<double> probs = tc.probs.values();
+        ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        EXPECT_EQ(ids, tc.ids.ids());
+        EXPECT_TRUE(bitwise_equal(probs, tc.probs.values()));
+        for (int64_t i = 0; i < k; ++i) ASSERT_EQ(ids[1 * k + i], i) << "the zero row: its first k ids, in order";
+        SCOPED_TRACE("chunked");
+        lmloss::Context chunked;
+        chunked.set_workspace_budget(size_t(9) << 19);  // 4.5 MiB: chunks of about 10 to 40 rows
+        ASSERT_EQ(tc.run(chunked.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
+        EXPECT_LE(chunked.peak_workspace(), chunked.workspace_budget());
+      }
+    }
+  }
+}
+
 // Top-k of long rows, where the selection first gathers what passes a threshold set from a
 // sample of the row (runs of 8 adjacent values, evenly spaced) in one pass: against the
 // reference for rows of random values, ascending and descending ones, rows of a few tied values

@@ -24,8 +24,8 @@
 //   dW += E^T (f * X_chunk) token_scale, then += c X_chunk at the labels   (tokens ordered by
 //               label once per call, so each label's rows are summed in order: deterministic)
 // Teacher top-k through such a head (k up to
-// kTopkFromProductMaxK) has the product keep each tile's largest logits and selects from those
-// (topk.cuh).
+// kTopkFromProductMaxK) has the product keep each tile's largest logits and selects from those;
+// for larger k, every logit above a bar each row takes from a sample of its logits (topk.cuh).
 // Nothing here waits for the device: the loss, lse and gradients stay where the caller pointed.
 #include <cuda_runtime.h>
 
@@ -51,6 +51,7 @@ namespace lmloss::cuda {
 namespace {
 
 constexpr size_t kMatmulWorkspace = size_t(32) << 20;
+constexpr size_t kSampleMatmulWorkspace = size_t(4) << 20;
 using core::row_stride;  // vectors here are contiguous: check_vector refuses strided ones
 
 // Per-context state: the cuBLASLt handle and plans, and the device's error flag.
@@ -426,7 +427,8 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
 
 enum TopkPiece {
   kTopkLogits, kTopkMatmulWs, kTopkSort, kTopkScalars, kTopkLse, kTopkBias,
-  kTopkCandidates, kTopkSeconds, kTopkPartials, kTopkProductWs, kTopkPieces
+  kTopkCandidates, kTopkSeconds, kTopkPartials, kTopkProductWs,
+  kTopkKept, kTopkSample, kTopkRedo, kTopkBar, kTopkKeptCount, kTopkPieces
 };
 
 struct TopkPlan {
@@ -435,6 +437,8 @@ struct TopkPlan {
   int64_t logits_ld = 0;
   size_t matmul_ws = 0;
   bool from_product = false;  // the statistics product keeps each tile's largest; no logits
+  bool above_bar = false;     // the statistics product keeps what passes a sampled bar; no logits
+  TopkBarPlan bar;
 };
 
 TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
@@ -447,6 +451,23 @@ TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
     pc[kTopkCandidates] = {0, sizeof(uint64_t) * kTopkCandidatesPerTile * tiles, 256};
     pc[kTopkSeconds] = {0, sizeof(uint32_t) * kTopkCandidatesPerTile * tiles, 256};
     if (!call.options.renormalize) pc[kTopkPartials] = {0, sizeof(float4) * tiles, 256};  // for the lse
+    const int64_t row_limit = std::min(call.n_tokens, kProductDimLimit);
+    pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
+    p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
+    return p;
+  }
+  if (head_suits_row_stats_product(call) && topk_bar_plan(call.vocab, k, &p.bar)) {
+    p.above_bar = true;
+    pc[kTopkSample] = {0, sizeof(float) * size_t(kTopkSampleColumns), 256};
+    pc[kTopkBar] = {0, sizeof(float), 16};
+    pc[kTopkKeptCount] = {0, sizeof(int32_t), 16};
+    pc[kTopkKept] = {0, sizeof(uint64_t) * size_t(p.bar.kept_ld), 256};
+    if (!call.options.renormalize) pc[kTopkPartials] = {0, sizeof(float4) * size_t(row_stats_tiles(call.vocab)), 256};
+    pc[kTopkRedo] = {topk_redo_bytes(call.vocab), 0, 256};
+    // The sample's product is small: cuBLASLt splits nothing along it.
+    p.matmul_ws = std::min(matmul_workspace(context.workspace_budget), kSampleMatmulWorkspace);
+    pc[kTopkMatmulWs] = {p.matmul_ws, 0, 256};
+    pc[kTopkScalars].fixed = sizeof(CallScalars);
     const int64_t row_limit = std::min(call.n_tokens, kProductDimLimit);
     pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
     p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
@@ -909,6 +930,68 @@ class CudaBackend final : public core::Backend {
     const int64_t in_size = int64_t(core::dtype_size(call.input_dtype));
     const char* x = static_cast<const char*>(call.head.hidden.data);
     const int64_t x_ld = call.linear ? row_stride(call.head.hidden) : 0;
+    if (plan.above_bar) {
+      const TopkBarPlan& bar_plan = plan.bar;
+      auto* sample = static_cast<float*>(piece(kTopkSample));
+      auto* bar = static_cast<float*>(piece(kTopkBar));
+      auto* kept = static_cast<uint64_t*>(piece(kTopkKept));
+      auto* kept_count = static_cast<int32_t*>(piece(kTopkKeptCount));
+      float4* partials = call.options.renormalize ? nullptr : static_cast<float4*>(piece(kTopkPartials));
+      // The sample's logits: column-major (sample, rows) = op(W's rows offset + step i) X^T.
+      MatmulShape sampled;
+      sampled.m = kTopkSampleColumns;
+      sampled.k = call.hidden;
+      sampled.trans_a = true;
+      sampled.lda = bar_plan.step * row_stride(call.head.weight);
+      sampled.ldb = x_ld;
+      sampled.ldd = kTopkSampleColumns;
+      sampled.ab_type = call.input_dtype;
+      sampled.d_type = LMLOSS_F32;
+      sampled.workspace_bytes = matmul_ws_bytes;
+      const char* sample_weight = static_cast<const char*>(call.head.weight.data) +
+                                  bar_plan.offset * row_stride(call.head.weight) * in_size;
+      TopkKeptArgs c;
+      c.select = a;
+      c.kept = kept;
+      c.kept_count = kept_count;
+      c.kept_ld = bar_plan.kept_ld;
+      c.kept_expected = bar_plan.kept_expected;
+      c.partial = partials;
+      c.partial_ld = row_stats_tiles(call.vocab);
+      c.tiles = c.partial_ld;
+      c.dtype = call.input_dtype;
+      c.hidden = call.head.hidden.data;
+      c.hidden_ld = x_ld;
+      c.weight = call.head.weight.data;
+      c.weight_ld = row_stride(call.head.weight);
+      c.hidden_size = call.hidden;
+      c.redo_logits = static_cast<float*>(piece(kTopkRedo));
+      for (int64_t row0 = 0; row0 < call.n_tokens; row0 += R) {
+        const int64_t rows = std::min(R, call.n_tokens - row0);
+        sampled.n = rows;
+        LMLOSS_CHECK(state->matmul.run(sampled, sample_weight, x + row0 * x_ld * in_size, sample, &scalars->one,
+                                       &scalars->zero, matmul_ws, stream, context.tune_products));
+        TopkBarArgs b;
+        b.sample = sample;
+        b.rows = rows;
+        b.rank = bar_plan.rank;
+        b.inv_temperature = float(1.0 / call.options.temperature);
+        b.bar = bar;
+        b.kept_count = kept_count;
+        LMLOSS_CHECK(launch_topk_bar(b, stream));
+        RowStatsProductArgs product = row_stats_args(call, rows, row0);
+        product.partial = partials;
+        product.keep_above = bar;
+        product.kept = kept;
+        product.kept_count = kept_count;
+        product.kept_ld = bar_plan.kept_ld;
+        LMLOSS_CHECK(run_row_stats_product(product, piece(kTopkProductWs), stream));
+        c.select.row0 = row0;
+        c.select.rows = rows;
+        LMLOSS_CHECK(launch_topk_from_kept(c, stream));
+      }
+      return LMLOSS_SUCCESS;
+    }
     for (int64_t row0 = 0; row0 < call.n_tokens; row0 += R) {
       const int64_t rows = std::min(R, call.n_tokens - row0);
       a.row0 = row0;

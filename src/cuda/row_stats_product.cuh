@@ -12,6 +12,9 @@
 //                   (columns 128 t + 8 i + 2 g + e, i < 16, e < 2) as a top-k composite (topk_keys.cuh),
 //                   0 for none; seconds[r, same] = the group's second-largest s as an order key, 0 for
 //                   none (optional, both)
+//   kept[r, 0 .. kept_count[r]) = every (s_rj, j) with s_rj >= keep_above[r] as a top-k composite, in
+//                   no order; kept_count[r] counts on past kept_ld, where the list stops (optional, instead of
+//                   candidates)
 //
 // The logits of a forward-only call are needed for nothing but these, so they stay in the
 // product's f32 accumulators: no logits chunk is written or read back (a 4-byte write and read
@@ -24,7 +27,8 @@
 // off by up to 0.04, a shifted one of -0.5 by 0.001). A top-k call has the product keep each
 // row's largest and second-largest value of every 32-column group instead, exact (the
 // accumulators' own), so its selection reads 48 bytes per row and tile instead of a 512-byte f32
-// logits row segment written and read back (topk.cuh). Heads with a bias or soft-capping keep the cuBLASLt path: their
+// logits row segment written and read back (topk.cuh); for larger k it keeps every logit at or
+// above a bar per row taken from a sample of the row, a few percent of them. Heads with a bias or soft-capping keep the cuBLASLt path: their
 // per-logit work belongs in the memory-bound row kernel, not between the product's main loops.
 // Built with CUTLASS for sm_90a when its headers were found at configure time
 // (LMLOSS_ROW_STATS_PRODUCT); elsewhere row_stats_product_supported() is false and the loss takes
@@ -77,6 +81,10 @@ struct RowStatsProductArgs {
   uint64_t* candidates = nullptr;    // (rows, candidates_ld >= kTopkCandidatesPerTile * tiles), optional
   uint32_t* seconds = nullptr;       // (rows, candidates_ld), with candidates
   int64_t candidates_ld = 0;
+  const float* keep_above = nullptr;  // (rows), optional, not with candidates: keep s >= keep_above[r]
+  uint64_t* kept = nullptr;           // (rows, kept_ld), with keep_above
+  int32_t* kept_count = nullptr;      // (rows), with keep_above: zero before the product
+  int64_t kept_ld = 0;
 };
 
 // Whether this build has the product and `device` runs it, for these operands (16-bit, rows and

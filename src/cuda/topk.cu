@@ -2,6 +2,9 @@
 // memory candidate sort, and a device-memory path for k beyond shared memory.
 #include "cuda/topk.cuh"
 
+#include <algorithm>
+#include <cmath>
+
 #include <cub/device/device_segmented_sort.cuh>
 
 #include "cuda/topk_keys.cuh"
@@ -25,6 +28,18 @@ constexpr int kTopkRowsBlocksPerSM = 3;
 __device__ __forceinline__ void histogram_add(int* hist, int bin) {
   const unsigned peers = __match_any_sync(__activemask(), bin);
   if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+}
+
+// A place in a shared list for each calling lane that takes one, *count advanced once per warp
+// (one atomic per lane on one address serialises the warp).
+__device__ __forceinline__ int warp_append(int* count, bool take) {
+  const unsigned active = __activemask();
+  const unsigned takers = __ballot_sync(active, take);
+  const int lane = threadIdx.x & 31, leader = __ffs(active) - 1;
+  int base = 0;
+  if (lane == leader && takers) base = atomicAdd(count, __popc(takers));
+  base = __shfl_sync(active, base, leader);
+  return base + __popc(takers & ((1u << lane) - 1u));
 }
 
 // Radix stages: digit of the key at (shift, bits).
@@ -178,7 +193,9 @@ __device__ void select_top(const uint64_t* keys, int n, int k, uint64_t* out, in
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const uint64_t c = keys[i];
-    if ((shift == 64 || (c >> shift) >= prefix) && !(real_only && c == 0)) out[atomicAdd(sh.count, 1)] = c;
+    const bool take = (shift == 64 || (c >> shift) >= prefix) && !(real_only && c == 0);
+    const int at = warp_append(sh.count, take);
+    if (take) out[at] = c;
   }
   __syncthreads();
   sort_desc_padded(out, *sh.count, k);
@@ -248,157 +265,166 @@ __device__ SamplePlan sample_plan(int64_t vocab, int64_t k) {
   return p;
 }
 
+// A rows kernel block's shared memory besides its candidates.
+struct RowsShared {
+  int hist[kBins];
+  int digit, above, count;
+  float2 maxsum[32];
+  float sum[32];
+  int warp_counts[32];
+};
+
+// The top k of row r (token row0 + r), its `vocab` logits at z, by one block (see topk.cuh);
+// `candidates` holds kCapacity keys in shared memory.
 template <typename T>
-__global__ void __launch_bounds__(kTopkRowsThreads, kTopkRowsBlocksPerSM) topk_rows_kernel(const TopkRowsArgs a) {
-  extern __shared__ uint64_t candidates[];  // (kCapacity)
-  __shared__ int hist[kBins];
-  __shared__ int digit_shared, above_shared, count_shared;
-  __shared__ float2 maxsum_scratch[32];
-  __shared__ float sum_scratch[32];
-  __shared__ int warp_counts[32];
-  const SelectScratch select_scratch{hist, &digit_shared, &above_shared, &count_shared};
+__device__ void topk_of_row(const TopkRowsArgs& a, int64_t r, const T* z, uint64_t* candidates, RowsShared& sh) {
+  const SelectScratch select_scratch{sh.hist, &sh.digit, &sh.above, &sh.count};
   const int64_t V = a.vocab;
   const bool large = a.k > kCapacity;
   const int warps = blockDim.x / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const SamplePlan sample = sample_plan(V, a.k);
+  const int64_t t = a.row0 + r;
+  auto scaled = [&](int64_t j, float v) { return a.scale.apply(a.bias ? v + a.bias[j] : v); };
+  auto key_at = [&](int64_t j, float v) { return order_key(scaled(j, v)); };
 
-  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
-    const int64_t t = a.row0 + r;
-    const T* z = static_cast<const T*>(a.logits) + r * a.logits_ld;  // (vocab)
-    auto scaled = [&](int64_t j, float v) { return a.scale.apply(a.bias ? v + a.bias[j] : v); };
-    auto key_at = [&](int64_t j, float v) { return order_key(scaled(j, v)); };
+  const bool want_lse = !a.renormalize;
 
-    const bool want_lse = !a.renormalize;
-
-    // Typical rows: the threshold from a sample, then one pass gathers every key at or above it
-    // (and the lse); the histogram passes below only when fewer than k or more than shared
-    // memory holds pass it (an unlucky sample, or ties).
-    if (sample.size > 0) {
-      const int runs = sample.size / kSampleRun;
-      if (threadIdx.x == 0) count_shared = 0;
-      for (int i = threadIdx.x; i < sample.size; i += blockDim.x) {
-        const int64_t run_start = (2 * int64_t(i / kSampleRun) + 1) * V / (2 * runs) / kSampleRun * kSampleRun;
-        const int64_t j = run_start + i % kSampleRun;
-        candidates[i] = composite(key_at(j, to_float(z[j])), j);
-      }
-      __syncthreads();
-      bitonic_sort_desc(candidates, sample.size);
-      const uint32_t threshold = static_cast<uint32_t>(candidates[sample.rank - 1] >> 32);
-      __syncthreads();  // every thread has the threshold before the candidates overwrite the sample
-      MaxSum acc{-INFINITY, 0.f};
-      for_each_in_row(z, V, [&](int64_t j, float v) {
-        const float s = scaled(j, v);
-        const uint32_t key = order_key(s);
-        if (key >= threshold) {
-          const int at = atomicAdd(&count_shared, 1);
-          if (at < kCapacity) candidates[at] = composite(key, j);
-        }
-        if (want_lse) add_to_lse(acc, s);
-      });
-      __syncthreads();
-      const float lse = want_lse ? block_lse(acc, maxsum_scratch) : 0.f;
-      const int n_candidates = count_shared;
-      if (n_candidates >= a.k && n_candidates <= kCapacity) {
-        const uint64_t* top = sort_top_k(candidates, n_candidates, a.k, kCapacity, select_scratch);
-        write_output(a, t, top, lse, sum_scratch);
-        __syncthreads();
-        continue;
-      }
-      __syncthreads();  // count_shared and the candidates are reused below
+  // Typical rows: the threshold from a sample, then one pass gathers every key at or above it
+  // (and the lse); the histogram passes below only when fewer than k or more than shared
+  // memory holds pass it (an unlucky sample, or ties).
+  if (sample.size > 0) {
+    const int runs = sample.size / kSampleRun;
+    if (threadIdx.x == 0) sh.count = 0;
+    for (int i = threadIdx.x; i < sample.size; i += blockDim.x) {
+      const int64_t run_start = (2 * int64_t(i / kSampleRun) + 1) * V / (2 * runs) / kSampleRun * kSampleRun;
+      const int64_t j = run_start + i % kSampleRun;
+      candidates[i] = composite(key_at(j, to_float(z[j])), j);
     }
-
-    // Pass 1: top digit histogram, and the row's lse when full-vocabulary probabilities are asked.
-    for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
     __syncthreads();
+    bitonic_sort_desc(candidates, sample.size);
+    const uint32_t threshold = static_cast<uint32_t>(candidates[sample.rank - 1] >> 32);
+    __syncthreads();  // every thread has the threshold before the candidates overwrite the sample
     MaxSum acc{-INFINITY, 0.f};
     for_each_in_row(z, V, [&](int64_t j, float v) {
       const float s = scaled(j, v);
-      atomicAdd(&hist[order_key(s) >> kStages[0].shift], 1);
+      const uint32_t key = order_key(s);
+      if (key >= threshold) {
+        const int at = atomicAdd(&sh.count, 1);
+        if (at < kCapacity) candidates[at] = composite(key, j);
+      }
       if (want_lse) add_to_lse(acc, s);
     });
     __syncthreads();
-    const float lse = want_lse ? block_lse(acc, maxsum_scratch) : 0.f;
+    const float lse = want_lse ? block_lse(acc, sh.maxsum) : 0.f;
+    const int n_candidates = sh.count;
+    if (n_candidates >= a.k && n_candidates <= kCapacity) {
+      const uint64_t* top = sort_top_k(candidates, n_candidates, a.k, kCapacity, select_scratch);
+      write_output(a, t, top, lse, sh.sum);
+      __syncthreads();
+      return;
+    }
+    __syncthreads();  // sh.count and the candidates are reused below
+  }
 
-    // Narrow the bin of the k-th key until the candidates fit shared memory, or the key is exact.
-    uint32_t prefix = 0;
-    int shift = 32;
-    int64_t k_rem = a.k, above = 0;
-    bool collected = false;
-    for (int stage = 0; stage < 3 && !collected; ++stage) {
-      const Stage st = kStages[stage];
-      if (stage > 0) {
-        for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
-        __syncthreads();
-        const uint32_t mask = (1u << st.bits) - 1u;
-        for_each_in_row(z, V, [&](int64_t j, float v) {
-          const uint32_t key = key_at(j, v);
-          if ((key >> shift) == prefix) atomicAdd(&hist[(key >> st.shift) & mask], 1);
-        });
-        __syncthreads();
-      }
-      if (warp == 0) find_digit(hist, 1 << st.bits, k_rem, &digit_shared, &above_shared);
-      __syncthreads();
-      const int digit = digit_shared;
-      prefix = (shift == 32 ? 0u : prefix << st.bits) | static_cast<uint32_t>(digit);
-      shift = st.shift;
-      above += above_shared;
-      k_rem -= above_shared;
-      const int64_t n_candidates = above + hist[digit];
-      __syncthreads();  // hist and the shared digit are reused below
-      if (!large && n_candidates <= kCapacity) {
-        if (threadIdx.x == 0) count_shared = 0;
-        __syncthreads();
-        for_each_in_row(z, V, [&](int64_t j, float v) {
-          const uint32_t key = key_at(j, v);
-          if ((key >> shift) >= prefix) candidates[atomicAdd(&count_shared, 1)] = composite(key, j);
-        });
-        __syncthreads();
-        const uint64_t* top = sort_top_k(candidates, static_cast<int>(n_candidates), a.k, kCapacity, select_scratch);
-        write_output(a, t, top, lse, sum_scratch);
-        collected = true;
-      }
-    }
-    if (collected) {
-      __syncthreads();
-      continue;
-    }
+  // Pass 1: top digit histogram, and the row's lse when full-vocabulary probabilities are asked.
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x) sh.hist[b] = 0;
+  __syncthreads();
+  MaxSum acc{-INFINITY, 0.f};
+  for_each_in_row(z, V, [&](int64_t j, float v) {
+    const float s = scaled(j, v);
+    atomicAdd(&sh.hist[order_key(s) >> kStages[0].shift], 1);
+    if (want_lse) add_to_lse(acc, s);
+  });
+  __syncthreads();
+  const float lse = want_lse ? block_lse(acc, sh.maxsum) : 0.f;
 
-    // Exact threshold T = prefix: every key above it, then the lowest-id keys equal to it.
-    const uint32_t threshold = prefix;
-    uint64_t* dest = large ? a.sorted_scratch + r * a.k : candidates;
-    if (threadIdx.x == 0) count_shared = 0;
-    __syncthreads();
-    for_each_in_row(z, V, [&](int64_t j, float v) {
-      const uint32_t key = key_at(j, v);
-      if (key > threshold) dest[atomicAdd(&count_shared, 1)] = composite(key, j);
-    });
-    __syncthreads();
-    const int64_t need = a.k - above;
-    int64_t taken = 0;
-    for (int64_t base = 0; base < V && taken < need; base += blockDim.x) {
-      const int64_t j = base + threadIdx.x;
-      const bool tie = j < V && key_at(j, to_float(z[j])) == threshold;
-      const unsigned ballot = __ballot_sync(0xffffffffu, tie);
-      if (lane == 0) warp_counts[warp] = __popc(ballot);
+  // Narrow the bin of the k-th key until the candidates fit shared memory, or the key is exact.
+  uint32_t prefix = 0;
+  int shift = 32;
+  int64_t k_rem = a.k, above = 0;
+  bool collected = false;
+  for (int stage = 0; stage < 3 && !collected; ++stage) {
+    const Stage st = kStages[stage];
+    if (stage > 0) {
+      for (int b = threadIdx.x; b < kBins; b += blockDim.x) sh.hist[b] = 0;
       __syncthreads();
-      int64_t offset = taken;
-      for (int w = 0; w < warp; ++w) offset += warp_counts[w];
-      int64_t tile_total = 0;
-      for (int w = 0; w < warps; ++w) tile_total += warp_counts[w];
-      const int64_t rank = offset + __popc(ballot & ((1u << lane) - 1u));
-      if (tie && rank < need) dest[above + rank] = composite(threshold, j);
-      taken += tile_total;
+      const uint32_t mask = (1u << st.bits) - 1u;
+      for_each_in_row(z, V, [&](int64_t j, float v) {
+        const uint32_t key = key_at(j, v);
+        if ((key >> shift) == prefix) atomicAdd(&sh.hist[(key >> st.shift) & mask], 1);
+      });
       __syncthreads();
     }
-    if (!large) {
-      sort_desc_padded(candidates, static_cast<int>(a.k));
-      write_output(a, t, candidates, lse, sum_scratch);
-    } else if (threadIdx.x == 0) {
-      a.lse_scratch[r] = lse;
+    if (warp == 0) find_digit(sh.hist, 1 << st.bits, k_rem, &sh.digit, &sh.above);
+    __syncthreads();
+    const int digit = sh.digit;
+    prefix = (shift == 32 ? 0u : prefix << st.bits) | static_cast<uint32_t>(digit);
+    shift = st.shift;
+    above += sh.above;
+    k_rem -= sh.above;
+    const int64_t n_candidates = above + sh.hist[digit];
+    __syncthreads();  // hist and the shared digit are reused below
+    if (!large && n_candidates <= kCapacity) {
+      if (threadIdx.x == 0) sh.count = 0;
+      __syncthreads();
+      for_each_in_row(z, V, [&](int64_t j, float v) {
+        const uint32_t key = key_at(j, v);
+        if ((key >> shift) >= prefix) candidates[atomicAdd(&sh.count, 1)] = composite(key, j);
+      });
+      __syncthreads();
+      const uint64_t* top = sort_top_k(candidates, static_cast<int>(n_candidates), a.k, kCapacity, select_scratch);
+      write_output(a, t, top, lse, sh.sum);
+      collected = true;
     }
+  }
+  if (collected) {
+    __syncthreads();
+    return;
+  }
+
+  // Exact threshold T = prefix: every key above it, then the lowest-id keys equal to it.
+  const uint32_t threshold = prefix;
+  uint64_t* dest = large ? a.sorted_scratch + r * a.k : candidates;
+  if (threadIdx.x == 0) sh.count = 0;
+  __syncthreads();
+  for_each_in_row(z, V, [&](int64_t j, float v) {
+    const uint32_t key = key_at(j, v);
+    if (key > threshold) dest[atomicAdd(&sh.count, 1)] = composite(key, j);
+  });
+  __syncthreads();
+  const int64_t need = a.k - above;
+  int64_t taken = 0;
+  for (int64_t base = 0; base < V && taken < need; base += blockDim.x) {
+    const int64_t j = base + threadIdx.x;
+    const bool tie = j < V && key_at(j, to_float(z[j])) == threshold;
+    const unsigned ballot = __ballot_sync(0xffffffffu, tie);
+    if (lane == 0) sh.warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int64_t offset = taken;
+    for (int w = 0; w < warp; ++w) offset += sh.warp_counts[w];
+    int64_t tile_total = 0;
+    for (int w = 0; w < warps; ++w) tile_total += sh.warp_counts[w];
+    const int64_t rank = offset + __popc(ballot & ((1u << lane) - 1u));
+    if (tie && rank < need) dest[above + rank] = composite(threshold, j);
+    taken += tile_total;
     __syncthreads();
   }
+  if (!large) {
+    sort_desc_padded(candidates, static_cast<int>(a.k));
+    write_output(a, t, candidates, lse, sh.sum);
+  } else if (threadIdx.x == 0) {
+    a.lse_scratch[r] = lse;
+  }
+  __syncthreads();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kTopkRowsThreads, kTopkRowsBlocksPerSM) topk_rows_kernel(const TopkRowsArgs a) {
+  extern __shared__ uint64_t candidates[];  // (kCapacity)
+  __shared__ RowsShared sh;
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x)
+    topk_of_row(a, r, static_cast<const T*>(a.logits) + r * a.logits_ld, candidates, sh);
 }
 
 __global__ void topk_finish_kernel(const TopkRowsArgs a, const uint64_t* sorted) {
@@ -495,6 +521,136 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
   }
 }
 
+// ---- selection from the logits the product keeps above a sampled bar (see topk.cuh) -----------
+
+constexpr int kBarThreads = 256;
+constexpr int kRedoBlocks = 16;  // rows redone at once, each in a row of device memory
+constexpr int kKeptBlocksPerSM = 3;  // rows selected at once on an SM: one's reads under another's sort
+
+// The rank-th largest key of each row's sample by a radix select, 8 bits a pass, each thread
+// holding its keys in registers (a bitonic sort of the 1024 composites took 0.24 ms for 8192 rows
+// on an H200, its instructions the limit).
+constexpr int kBarKeysPerThread = int(kTopkSampleColumns) / kBarThreads;
+__global__ void __launch_bounds__(kBarThreads) topk_bar_kernel(const TopkBarArgs a) {
+  __shared__ int hist[256];
+  __shared__ int digit, above;
+  const int warp = threadIdx.x >> 5;
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const float* sample = a.sample + r * kTopkSampleColumns;
+    uint32_t key[kBarKeysPerThread];
+#pragma unroll
+    for (int i = 0; i < kBarKeysPerThread; ++i)
+      key[i] = order_key(sample[threadIdx.x + i * kBarThreads] * a.inv_temperature);
+    uint32_t prefix = 0, known = 0;  // the bits of the rank-th key found so far, and which
+    int64_t k_rem = a.rank;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < kBarKeysPerThread; ++i) {
+        const bool in = (key[i] & known) == prefix;
+        const int bin = int((key[i] >> shift) & 255u);
+        if (in) histogram_add(hist, bin);
+      }
+      __syncthreads();
+      if (warp == 0) find_digit(hist, 256, k_rem, &digit, &above);
+      __syncthreads();
+      prefix |= uint32_t(digit) << shift;
+      known |= 255u << shift;
+      k_rem -= above;
+      __syncthreads();  // hist, digit and above are written again
+    }
+    if (threadIdx.x == 0) {
+      a.bar[r] = key_value(prefix);
+      a.kept_count[r] = 0;
+    }
+  }
+}
+
+__device__ bool kept_list_holds_top_k(const TopkKeptArgs& a, int64_t r) {
+  const int32_t n = a.kept_count[r];
+  return n >= a.select.k && n <= a.kept_ld;
+}
+
+// Keys the list kernel holds in shared memory: kCapacity where a list of the expected length fits
+// beside k's power of two (three blocks an SM), else kKeptLongCapacity (two).
+constexpr int kKeptLongCapacity = 12288;
+int kept_keys_capacity(int64_t kept_expected, int64_t k) {
+  int64_t k_pow2 = 1;
+  while (k_pow2 < k) k_pow2 <<= 1;
+  return kept_expected + k_pow2 <= kCapacity ? kCapacity : kKeptLongCapacity;
+}
+
+// One block per row whose list holds its top k. The list is copied into shared memory when it
+// fits beside k's sorted power of two (one coalesced read; the select's passes over device
+// memory waited on L2 at every step: 2.1 ms for 8192 rows at k 2048, V 128256 on an H200, 1.4
+// with the copy), then selected and sorted there; a longer list is selected from device memory.
+__global__ void __launch_bounds__(kTopkRowsThreads, kKeptBlocksPerSM) topk_kept_kernel(const TopkKeptArgs a, int capacity) {
+  extern __shared__ uint64_t keys[];  // (capacity)
+  __shared__ int hist[kBins];
+  __shared__ int digit, above, count;
+  __shared__ float2 maxsum_scratch[32];
+  __shared__ float sum_scratch[32];
+  const SelectScratch select_scratch{hist, &digit, &above, &count};
+  const int k = int(a.select.k);
+  int k_pow2 = 1;
+  while (k_pow2 < k) k_pow2 <<= 1;
+  for (int64_t r = blockIdx.x; r < a.select.rows; r += gridDim.x) {
+    if (!kept_list_holds_top_k(a, r)) continue;  // the redo kernel's row
+    const uint64_t* list = a.kept + r * a.kept_ld;
+    const int n = a.kept_count[r];
+    const uint64_t* top = keys;
+    if (n + k_pow2 <= capacity) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) keys[i] = list[i];
+      __syncthreads();
+      top = sort_top_k(keys, n, k, capacity, select_scratch);
+    } else {
+      select_top(list, n, k, keys, k_pow2, select_scratch);
+    }
+    float lse = 0.f;
+    if (!a.select.renormalize) {
+      const float4* partial = a.partial + r * a.partial_ld;
+      MaxSum acc{-INFINITY, 0.f};
+      for (int64_t i = threadIdx.x; i < a.tiles; i += blockDim.x) acc = merge(acc, MaxSum{partial[i].x, partial[i].y});
+      lse = block_lse(acc, maxsum_scratch);
+    }
+    write_output(a.select, a.select.row0 + r, top, lse, sum_scratch);
+    __syncthreads();
+  }
+}
+
+// Row r's logits from scratch, a dot product of warp each, into z (device memory), then its top
+// k from them by the rows kernel's selection.
+template <typename T>
+__device__ void redo_row(const TopkKeptArgs& a, int64_t r, float* z, uint64_t* candidates, RowsShared& sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const T* x = static_cast<const T*>(a.hidden) + (a.select.row0 + r) * a.hidden_ld;
+  const T* w = static_cast<const T*>(a.weight);
+  for (int64_t j = warp; j < a.select.vocab; j += warps) {
+    const float dot = warp_dot(x, w + j * a.weight_ld, a.hidden_size);
+    if (lane == 0) z[j] = dot;
+  }
+  __syncthreads();
+  topk_of_row(a.select, r, static_cast<const float*>(z), candidates, sh);
+}
+
+// The rows whose list does not hold their top k, each block in its own row of device memory.
+template <typename T>
+__global__ void __launch_bounds__(kTopkRowsThreads) topk_redo_kernel(const TopkKeptArgs a) {
+  extern __shared__ uint64_t candidates[];  // (kCapacity)
+  __shared__ RowsShared sh;
+  float* z = a.redo_logits + blockIdx.x * a.select.vocab;
+  // The block's rows (blockIdx.x + gridDim.x i) are looked at blockDim.x at a time: most have
+  // nothing to redo, and one at a time the scan alone took 0.17 ms for 8192 rows (H200).
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t first = blockIdx.x; first < a.select.rows; first += stride) {
+    const int64_t mine = first + int64_t(threadIdx.x) * gridDim.x;
+    if (!__syncthreads_or(mine < a.select.rows && !kept_list_holds_top_k(a, mine))) continue;
+    for (int64_t r = first; r < a.select.rows && r < first + stride; r += gridDim.x)
+      if (!kept_list_holds_top_k(a, r)) redo_row<T>(a, r, z, candidates, sh);
+  }
+}
+
 size_t cub_temp_bytes(int64_t rows, int64_t k) {
   size_t temp = 0;
   cub::DeviceSegmentedSort::SortKeysDescending(nullptr, temp, static_cast<const uint64_t*>(nullptr),
@@ -514,13 +670,21 @@ lmloss_status allow_dynamic_shared(Kernel kernel, size_t bytes) {
   return LMLOSS_SUCCESS;
 }
 
+// Has `kernel` take the largest shared-memory share of L1 on the current device: the rows and
+// list kernels keep several blocks' candidates on an SM (left to the driver's split, one).
+template <typename Kernel>
+lmloss_status prefer_shared_memory(Kernel kernel) {
+  const cudaError_t st =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
+  if (st != cudaSuccess)
+    return core::fail(LMLOSS_ERROR_BACKEND, std::string("topk shared memory carveout: ") + cudaGetErrorString(st));
+  return LMLOSS_SUCCESS;
+}
+
 template <typename T>
 lmloss_status launch_typed(const TopkRowsArgs& a, cudaStream_t stream) {
   LMLOSS_CHECK(allow_dynamic_shared(topk_rows_kernel<T>, kCapacity * sizeof(uint64_t)));
-  const cudaError_t carveout = cudaFuncSetAttribute(topk_rows_kernel<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                    int(cudaSharedmemCarveoutMaxShared));
-  if (carveout != cudaSuccess)
-    return core::fail(LMLOSS_ERROR_BACKEND, std::string("topk shared memory carveout: ") + cudaGetErrorString(carveout));
+  LMLOSS_CHECK(prefer_shared_memory(topk_rows_kernel<T>));
   topk_rows_kernel<T><<<row_grid(a.rows), kTopkRowsThreads, kCapacity * sizeof(uint64_t), stream>>>(a);
   LMLOSS_CUDA_LAUNCHED("topk_rows_kernel");
   return LMLOSS_SUCCESS;
@@ -546,6 +710,54 @@ lmloss_status launch_topk_from_candidates(const TopkCandidatesArgs& a, cudaStrea
     return LMLOSS_SUCCESS;
   };
   return a.dtype == LMLOSS_F16 ? launch(topk_candidates_kernel<__half>) : launch(topk_candidates_kernel<__nv_bfloat16>);
+}
+
+bool topk_bar_plan(int64_t vocab, int64_t k, TopkBarPlan* plan) {
+  if (vocab < 16 * kTopkSampleColumns || k < 1 || k > kCapacity) return false;
+  // About twice k expected at or above the bar, and 8 more of the sample: a row's list holds
+  // fewer than k about once in 10^6 rows or less (the sample's binomial tail, at k 2048 and
+  // V 256000 1.5e-6, at V 128256 1.6e-7).
+  const int64_t rank = (2 * k * kTopkSampleColumns + vocab - 1) / vocab + 8;
+  if (rank > kTopkSampleColumns / 4) return false;
+  plan->step = vocab / kTopkSampleColumns;
+  plan->offset = plan->step / 2;
+  plan->rank = rank;
+  // Room for the share of the row above the rank-th of the sample, 6 standard deviations of
+  // the sample's count over (a row overflows it about once in 10^9 rows).
+  const double share = (double(rank) + 6.0 * std::sqrt(double(rank)) + 12.0) / double(kTopkSampleColumns);
+  plan->kept_ld = std::max<int64_t>(k, (int64_t(std::ceil(double(vocab) * share)) + 255) / 256 * 256);
+  plan->kept_expected = rank * vocab / kTopkSampleColumns;
+  return true;
+}
+
+lmloss_status launch_topk_bar(const TopkBarArgs& a, cudaStream_t stream) {
+  if (a.rows == 0) return LMLOSS_SUCCESS;
+  topk_bar_kernel<<<row_grid(a.rows), kBarThreads, 0, stream>>>(a);
+  LMLOSS_CUDA_LAUNCHED("topk_bar_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+size_t topk_redo_bytes(int64_t vocab) { return align256(sizeof(float) * size_t(kRedoBlocks) * size_t(vocab)); }
+
+lmloss_status launch_topk_from_kept(const TopkKeptArgs& a, cudaStream_t stream) {
+  if (a.select.rows == 0) return LMLOSS_SUCCESS;
+  if (a.dtype != LMLOSS_BF16 && a.dtype != LMLOSS_F16)
+    return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k from the product: bf16 or f16 only");
+  if (a.select.k > kCapacity) return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k above a bar: k beyond shared memory");
+  const int capacity = kept_keys_capacity(a.kept_expected, a.select.k);
+  const size_t keys_bytes = sizeof(uint64_t) * size_t(capacity);
+  LMLOSS_CHECK(allow_dynamic_shared(topk_kept_kernel, keys_bytes));
+  LMLOSS_CHECK(prefer_shared_memory(topk_kept_kernel));
+  topk_kept_kernel<<<row_grid(a.select.rows), kTopkRowsThreads, keys_bytes, stream>>>(a, capacity);
+  LMLOSS_CUDA_LAUNCHED("topk_kept_kernel");
+  auto redo = [&](auto kernel) -> lmloss_status {
+    LMLOSS_CHECK(allow_dynamic_shared(kernel, kCapacity * sizeof(uint64_t)));
+    const unsigned blocks = unsigned(std::min<int64_t>(a.select.rows, kRedoBlocks));
+    kernel<<<blocks, kTopkRowsThreads, kCapacity * sizeof(uint64_t), stream>>>(a);
+    LMLOSS_CUDA_LAUNCHED("topk_redo_kernel");
+    return LMLOSS_SUCCESS;
+  };
+  return a.dtype == LMLOSS_F16 ? redo(topk_redo_kernel<__half>) : redo(topk_redo_kernel<__nv_bfloat16>);
 }
 
 int64_t topk_shared_capacity() { return kCapacity; }

@@ -26,6 +26,18 @@
 // 4008-group row, about one a row for unordered logits; many where logits tie) are recomputed in
 // full, each logit a dot product of the row with a row of W in f32, and merged in. No logits
 // are written; the lse for full-vocabulary probabilities comes from the product's partials.
+//
+// From the statistics product for larger k (up to shared memory's, with a vocabulary of 16384 or
+// more): a product of the chunk's rows with a sample of W's rows (kTopkSampleColumns of them,
+// evenly spaced, by cuBLASLt) gives each row a sample of its logits, and the rank-th largest of
+// it becomes the row's bar, the rank set so that about twice k logits are expected at or above
+// it. The statistics product then keeps each logit at or above its row's bar as a composite in
+// the row's list (a few percent of the row), and one block per row selects the top k of the list.
+// A row whose list holds fewer than k (a bar set too high by its sample) or overflowed (ties at
+// the bar, or a bar too low) is redone from scratch: its logits, each a dot product in f32, into
+// a row of device memory, then the rows kernel's selection over them. By the binomial tail of
+// the sample, a bar ends too high about once in 10^6 rows of unordered logits or less; rows of equal
+// logits (a row of zeros) always take that slow way. No logits are written.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -84,6 +96,49 @@ struct TopkCandidatesArgs {
 // kTopkFromProductMaxK and at most what the whole tiles keep, the candidates within shared memory.
 bool topk_from_candidates_supported(int64_t vocab, int64_t k);
 lmloss_status launch_topk_from_candidates(const TopkCandidatesArgs& args, cudaStream_t stream);
+
+// The sampled bar's plan for (vocab, k): W's rows step * i + offset (i < kTopkSampleColumns) are
+// the sample, its rank-th largest the bar, and each row's list holds kept_ld composites; false
+// where the sample would not pay (a short vocabulary, k near the sample's share).
+constexpr int64_t kTopkSampleColumns = 1024;
+struct TopkBarPlan {
+  int64_t step = 0, offset = 0, rank = 0, kept_ld = 0;
+  int64_t kept_expected = 0;  // a row's list's expected length
+};
+bool topk_bar_plan(int64_t vocab, int64_t k, TopkBarPlan* plan);
+
+// bar[r] = the rank-th largest of sample[r, :] * inv_temperature; kept_count[r] = 0.
+struct TopkBarArgs {
+  const float* sample = nullptr;  // (rows, kTopkSampleColumns): the sampled logits, unscaled
+  int64_t rows = 0;
+  int64_t rank = 0;
+  float inv_temperature = 1;
+  float* bar = nullptr;           // (rows)
+  int32_t* kept_count = nullptr;  // (rows)
+};
+lmloss_status launch_topk_bar(const TopkBarArgs& args, cudaStream_t stream);
+
+struct TopkKeptArgs {
+  TopkRowsArgs select;          // row0, rows, vocab, k, scale and the outputs (logits and bias unused)
+  const uint64_t* kept = nullptr;      // (rows, kept_ld): the product's lists
+  const int32_t* kept_count = nullptr;  // (rows)
+  int64_t kept_ld = 0;
+  int64_t kept_expected = 0;           // TopkBarPlan's
+  const float4* partial = nullptr;  // (rows, partial_ld): the product's statistics (for the lse)
+  int64_t partial_ld = 0;
+  int64_t tiles = 0;
+  // The head, for the rows redone: z = x . w.
+  lmloss_dtype dtype = LMLOSS_BF16;  // bf16 or f16
+  const void* hidden = nullptr;      // (n_tokens, hidden_size) from token 0, stride hidden_ld
+  int64_t hidden_ld = 0;
+  const void* weight = nullptr;      // (vocab, hidden_size), stride weight_ld
+  int64_t weight_ld = 0;
+  int64_t hidden_size = 0;           // a multiple of 8, rows 16-byte aligned
+  float* redo_logits = nullptr;      // topk_redo_bytes(vocab): the rows redone, one per block
+};
+// Device memory for the rows redone from scratch.
+size_t topk_redo_bytes(int64_t vocab);
+lmloss_status launch_topk_from_kept(const TopkKeptArgs& args, cudaStream_t stream);
 
 // The largest k sorted in shared memory; beyond it the selection goes through device memory.
 int64_t topk_shared_capacity();

@@ -56,21 +56,30 @@ struct RowStatsOut {
   Element* shifted;                // (rows, shifted_ld) or null
   int64_t shifted_ld;
   const float* exp_shift;          // (rows) or null: shifted in the exponential form
-  uint64_t* candidates;            // (rows, candidates_ld): with kCandidates
-  uint32_t* seconds;               // (rows, candidates_ld): with kCandidates
+  uint64_t* candidates;            // (rows, candidates_ld): with kKeepGroupBest
+  uint32_t* seconds;               // (rows, candidates_ld): with kKeepGroupBest
   int64_t candidates_ld;
+  const float* keep_above;         // (rows): with kKeepAbove
+  uint64_t* kept;                  // (rows, kept_ld): with kKeepAbove
+  int32_t* kept_count;             // (rows): with kKeepAbove
+  int64_t kept_ld;
 };
+
+// What a top-k product keeps of the logits (none: the loss's product).
+enum TopkKeep { kKeepNone, kKeepGroupBest, kKeepAbove };
 
 // A collective epilogue in the interface of CUTLASS's register-only ones (wrapped for the sm_90
 // kernels by Sm90TmaWarpSpecializedAdapter): it stores the tile's statistics and, if asked, its
-// shifted logits; kCandidates (a kernel of its own, so the loss's keeps its registers) also each
-// row's largest and second-largest logit of every column group (a thread's 32 columns), and then
-// of the statistics only max and sum of exponentials, only with kStatistics (a top-k whose
-// probabilities are renormalised over the k needs no lse, so its epilogue does the candidates
-// alone: every instruction per logit here shows in the product's time).
-template <typename Element, bool kCandidates, bool kStatistics>
+// shifted logits. A top-k kernel (one of its own, so the loss's keeps its registers) keeps
+// instead each row's largest and second-largest logit of every column group (a thread's 32
+// columns; kKeepGroupBest) or every logit at or above its row's bar (kKeepAbove), and of the
+// statistics only max and sum of exponentials, only with kStatistics (a top-k whose
+// probabilities are renormalised over the k needs no lse, so its epilogue keeps logits alone:
+// every instruction per logit here shows in the product's time).
+template <typename Element, TopkKeep kKeep, bool kStatistics>
 class RowStatsEpilogue {
-  static_assert(kCandidates || kStatistics, "the loss's epilogue keeps the statistics");
+  static constexpr bool kTopk = kKeep != kKeepNone;
+  static_assert(kTopk || kStatistics, "the loss's epilogue keeps the statistics");
 
  public:
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
@@ -153,7 +162,7 @@ class RowStatsEpilogue {
     float shift_of[kSlots];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kSlots; ++k)
-      shift_of[k] = !kCandidates && params_.exp_shift && row_of[k] < rows ? params_.exp_shift[row_of[k]] : -INFINITY;
+      shift_of[k] = !kTopk && params_.exp_shift && row_of[k] < rows ? params_.exp_shift[row_of[k]] : -INFINITY;
 
     // s = z / T. The epilogue runs between main loops, so every instruction per element shows in
     // the product's time (measured on an H200: applying soft-capping and a bias twice per element
@@ -175,7 +184,7 @@ class RowStatsEpilogue {
         const int k = slot_of(i);
         if (!in_vocab(col)) continue;
         row_max[k] = fmaxf(row_max[k], z(i));
-        if constexpr (!kCandidates) {  // top-k has no labels
+        if constexpr (!kTopk) {  // top-k has no labels
           if (col == label_of[k]) params_.label_s[row_of[k]] = z(i) * inv_t;
         }
       }
@@ -185,17 +194,17 @@ class RowStatsEpilogue {
         row_max[k] = fmaxf(row_max[k], __shfl_xor_sync(0xffffffffu, row_max[k], 2));
       }
       // The exponential form sums the values it stores (one exponential per logit, not two).
-      const bool exp_form = !kCandidates && params_.shifted && params_.exp_shift;
+      const bool exp_form = !kTopk && params_.shifted && params_.exp_shift;
       if (!exp_form) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(z); ++i) {
           if (!in_vocab(get<1>(thread_coords(i)))) continue;
           const int k = slot_of(i);
           row_sum[k] += exp2f((z(i) - row_max[k]) * to_log2);
-          if constexpr (!kCandidates) row_sum_s[k] += z(i);  // top-k's lse needs no sum of s
+          if constexpr (!kTopk) row_sum_s[k] += z(i);  // top-k's lse needs no sum of s
         }
       }
-      if constexpr (kCandidates) return;  // top-k stores no logits
+      if constexpr (kTopk) return;  // top-k stores no logits
       if (!params_.shifted) return;
       float offset[kSlots];  // what each row's stored values are relative to (see stored())
       float stored_sum[kSlots];
@@ -240,9 +249,13 @@ class RowStatsEpilogue {
       if ((n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) statistics(cute::false_type{});
       else statistics(cute::true_type{});
     }
-    if constexpr (kCandidates) {
+    if constexpr (kKeep == kKeepGroupBest) {
       if ((n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) store_candidates<false>(z, thread_coords, row_of, rows, vocab, n_tile);
       else store_candidates<true>(z, thread_coords, row_of, rows, vocab, n_tile);
+    }
+    if constexpr (kKeep == kKeepAbove) {
+      if ((n_tile + 1) * int(size<1>(tile_mnk)) <= vocab) store_above<false>(z, thread_coords, row_of, rows, vocab, thread_idx);
+      else store_above<true>(z, thread_coords, row_of, rows, vocab, thread_idx);
     }
     if constexpr (kStatistics) {
       CUTLASS_PRAGMA_UNROLL
@@ -316,6 +329,56 @@ class RowStatsEpilogue {
       const int64_t at = int64_t(row_of[k]) * params_.candidates_ld + int64_t(n_tile) * kTopkCandidatesPerTile + group;
       params_.candidates[at] = best_col[k] >= 0 ? composite(order_key(best[k] * inv_t), best_col[k]) : 0;
       params_.seconds[at] = second[k] > -INFINITY ? order_key(second[k] * inv_t) : 0u;
+    }
+  }
+
+  // Every logit at or above its row's bar as a top-k composite, appended to the row's list: a
+  // pass counts each thread's, the quad (the row's four threads) sums them and takes its room in
+  // the list with one atomic, and a second pass writes them. The list is in no order (the
+  // selection sorts it), so the outputs stay deterministic. Past kept_ld nothing is written but
+  // the count goes on: the selection then knows the list overflowed.
+  template <bool kRagged, class Z, class Coords, int kSlots>
+  CUTLASS_DEVICE void store_above(Z const& z, Coords const& thread_coords, const int (&row_of)[kSlots], int rows,
+                                  int vocab, int thread_idx) const {
+    auto slot_of = [](int i) { return row_slot<decltype(z.layout())>(i); };
+    const float inv_t = params_.inv_temperature;
+    float bar[kSlots];
+    int passed[kSlots];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kSlots; ++k) {
+      bar[k] = row_of[k] < rows ? params_.keep_above[row_of[k]] : INFINITY;
+      passed[k] = 0;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(z); ++i) {
+      if (kRagged && get<1>(thread_coords(i)) >= vocab) continue;
+      const int k = slot_of(i);
+      passed[k] += z(i) * inv_t >= bar[k];
+    }
+    const int quad_lane = thread_idx & 3;
+    int at[kSlots];  // this thread's next place in its row's list
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kSlots; ++k) {
+      int inclusive = passed[k];
+      int up = __shfl_up_sync(0xffffffffu, inclusive, 1, 4);
+      if (quad_lane >= 1) inclusive += up;
+      up = __shfl_up_sync(0xffffffffu, inclusive, 2, 4);
+      if (quad_lane >= 2) inclusive += up;
+      const int total = __shfl_sync(0xffffffffu, inclusive, 3, 4);
+      int base = 0;
+      if (quad_lane == 0 && total > 0) base = atomicAdd(&params_.kept_count[row_of[k]], total);
+      at[k] = __shfl_sync(0xffffffffu, base, 0, 4) + inclusive - passed[k];
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(z); ++i) {
+      const int col = get<1>(thread_coords(i));
+      if (kRagged && col >= vocab) continue;
+      const int k = slot_of(i);
+      const float s = z(i) * inv_t;
+      if (s >= bar[k]) {
+        if (at[k] < params_.kept_ld) params_.kept[int64_t(row_of[k]) * params_.kept_ld + at[k]] = composite(order_key(s), col);
+        ++at[k];
+      }
     }
   }
 
@@ -393,12 +456,12 @@ constexpr bool columns_rise_along_rows() {
   return true;
 }
 
-template <typename Element, bool kCandidates, bool kStatistics>
+template <typename Element, TopkKeep kKeep, bool kStatistics>
 struct RowStatsGemm {
   using TileShape = Shape<_128, Int<int(kRowStatsTileColumns)>, _64>;
   using ClusterShape = Shape<_2, _1, _1>;
   using Epilogue =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<Element, kCandidates, kStatistics>>;
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<Element, kKeep, kStatistics>>;
   // A = X (rows, hidden) row-major; B = W (vocab, hidden): K-major, CUTLASS's column-major B.
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8, Element,
@@ -411,7 +474,7 @@ struct RowStatsGemm {
   static_assert(size<1>(TileShape{}) == kRowStatsTileColumns, "one partial per column tile");
   static_assert(columns_rise_along_rows<typename Mainloop::TiledMma, size<0>(TileShape{}), size<1>(TileShape{})>(),
                 "store_candidates takes the first of equal values for the lowest column");
-  static_assert(size<0>(TileShape{}) == RowStatsEpilogue<Element, kCandidates, kStatistics>::kTileRows, "the staging buffer's rows");
+  static_assert(size<0>(TileShape{}) == RowStatsEpilogue<Element, kKeep, kStatistics>::kTileRows, "the staging buffer's rows");
 
   static typename Device::Arguments arguments(const RowStatsProductArgs& a) {
     const RowStatsOut<Element> out{a.inv_temperature,
@@ -426,7 +489,11 @@ struct RowStatsGemm {
                                    a.exp_shift,
                                    a.candidates,
                                    a.seconds,
-                                   a.candidates_ld};
+                                   a.candidates_ld,
+                                   a.keep_above,
+                                   a.kept,
+                                   a.kept_count,
+                                   a.kept_ld};
     return {cutlass::gemm::GemmUniversalMode::kGemm,
             {int(a.rows), int(a.vocab), int(a.hidden_size), 1},
             {static_cast<const Element*>(a.hidden), {a.hidden_ld, Int<1>{}, int64_t(0)},
@@ -473,8 +540,10 @@ bool is_sm90(int device) {
 // The kernel for the args' dtype and outputs: f(RowStatsGemm<...>{}).
 template <typename Element, typename F>
 auto with_outputs(const RowStatsProductArgs& args, F&& f) {
-  if (!args.candidates) return f(RowStatsGemm<Element, false, true>{});
-  return args.partial ? f(RowStatsGemm<Element, true, true>{}) : f(RowStatsGemm<Element, true, false>{});
+  if (args.keep_above)
+    return args.partial ? f(RowStatsGemm<Element, kKeepAbove, true>{}) : f(RowStatsGemm<Element, kKeepAbove, false>{});
+  if (!args.candidates) return f(RowStatsGemm<Element, kKeepNone, true>{});
+  return args.partial ? f(RowStatsGemm<Element, kKeepGroupBest, true>{}) : f(RowStatsGemm<Element, kKeepGroupBest, false>{});
 }
 template <typename F>
 auto with_gemm(const RowStatsProductArgs& args, F&& f) {
