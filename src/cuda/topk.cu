@@ -21,6 +21,13 @@ constexpr int kBins = 2048;
 constexpr int kTopkRowsThreads = 256;
 constexpr int kTopkRowsBlocksPerSM = 3;
 
+// The least power of two at least n (n >= 1).
+__host__ __device__ constexpr int64_t pow2_at_least(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
 // hist[bin] += 1 for each calling lane, one shared-memory atomic per distinct bin of the warp:
 // candidates crowd a few of the top digit's bins (sign, exponent and two mantissa bits). (Over a
 // whole logits row, in topk_rows_kernel, the matching cost more than it saved: top-k 2048 at
@@ -142,8 +149,7 @@ __device__ void bitonic_sort_desc(uint64_t* keys, int n) {
 // Sorts keys[0, count) descending, zeros padding them to a power of two of at least `at_least`
 // entries (a zero loses to every composite). The caller has synchronised the keys.
 __device__ void sort_desc_padded(uint64_t* keys, int count, int at_least = 1) {
-  int n = 1;
-  while (n < count || n < at_least) n <<= 1;
+  const int n = int(pow2_at_least(max(count, at_least)));
   for (int i = count + threadIdx.x; i < n; i += blockDim.x) keys[i] = 0;
   __syncthreads();
   bitonic_sort_desc(keys, n);
@@ -212,9 +218,7 @@ constexpr int kSelectFromKeys = 4096;
 // k 2048 rows kernel's time beyond its reads); else all count are sorted in place. The caller has
 // synchronised the keys.
 __device__ const uint64_t* sort_top_k(uint64_t* keys, int count, int64_t k, int capacity, const SelectScratch& sh) {
-  int k_pow2 = 1, count_pow2 = 1;
-  while (k_pow2 < k) k_pow2 <<= 1;
-  while (count_pow2 < count) count_pow2 <<= 1;
+  const int k_pow2 = int(pow2_at_least(k)), count_pow2 = int(pow2_at_least(count));
   if (count_pow2 < kSelectFromKeys || k_pow2 >= count_pow2 || count + k_pow2 > capacity) {
     sort_desc_padded(keys, count);
     return keys;
@@ -443,6 +447,13 @@ __global__ void segment_offsets_kernel(int64_t* offsets, int64_t rows, int64_t k
 
 // ---- selection from the statistics product's kept logits (see topk.cuh) ----------------------
 
+// A row's lse from the statistics product's partials (max, sum of exponentials) of its tiles.
+__device__ float lse_of_partials(const float4* partial, int64_t tiles, float2* scratch) {
+  MaxSum acc{-INFINITY, 0.f};
+  for (int64_t i = threadIdx.x; i < tiles; i += blockDim.x) acc = merge(acc, MaxSum{partial[i].x, partial[i].y});
+  return block_lse(acc, scratch);
+}
+
 constexpr int kMergeCapacity = 1024;  // composites sorted at once: the top k and fresh candidates
 constexpr int kRecomputeGroups = int((kMergeCapacity - kTopkFromProductMaxK) / kTopkGroupColumns);
 constexpr int kMaxCandidates = kCapacity;
@@ -509,13 +520,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
       }
     }
 
-    float lse = 0.f;
-    if (!a.select.renormalize) {
-      const float4* partial = a.partial + r * a.partial_ld;
-      MaxSum acc{-INFINITY, 0.f};
-      for (int64_t i = threadIdx.x; i < a.tiles; i += blockDim.x) acc = merge(acc, MaxSum{partial[i].x, partial[i].y});
-      lse = block_lse(acc, maxsum_scratch);
-    }
+    const float lse = a.select.renormalize ? 0.f : lse_of_partials(a.partial + r * a.partial_ld, a.tiles, maxsum_scratch);
     write_output(a.select, t, sh.merge, lse, sum_scratch);
     __syncthreads();
   }
@@ -576,9 +581,7 @@ __device__ bool kept_list_holds_top_k(const TopkKeptArgs& a, int64_t r) {
 // beside k's power of two (three blocks an SM), else kKeptLongCapacity (two).
 constexpr int kKeptLongCapacity = 12288;
 int kept_keys_capacity(int64_t kept_expected, int64_t k) {
-  int64_t k_pow2 = 1;
-  while (k_pow2 < k) k_pow2 <<= 1;
-  return kept_expected + k_pow2 <= kCapacity ? kCapacity : kKeptLongCapacity;
+  return kept_expected + pow2_at_least(k) <= kCapacity ? kCapacity : kKeptLongCapacity;
 }
 
 // One block per row whose list holds its top k. The list is copied into shared memory when it
@@ -593,8 +596,7 @@ __global__ void __launch_bounds__(kTopkRowsThreads, kKeptBlocksPerSM) topk_kept_
   __shared__ float sum_scratch[32];
   const SelectScratch select_scratch{hist, &digit, &above, &count};
   const int k = int(a.select.k);
-  int k_pow2 = 1;
-  while (k_pow2 < k) k_pow2 <<= 1;
+  const int k_pow2 = int(pow2_at_least(k));
   for (int64_t r = blockIdx.x; r < a.select.rows; r += gridDim.x) {
     if (!kept_list_holds_top_k(a, r)) continue;  // the redo kernel's row
     const uint64_t* list = a.kept + r * a.kept_ld;
@@ -607,13 +609,7 @@ __global__ void __launch_bounds__(kTopkRowsThreads, kKeptBlocksPerSM) topk_kept_
     } else {
       select_top(list, n, k, keys, k_pow2, select_scratch);
     }
-    float lse = 0.f;
-    if (!a.select.renormalize) {
-      const float4* partial = a.partial + r * a.partial_ld;
-      MaxSum acc{-INFINITY, 0.f};
-      for (int64_t i = threadIdx.x; i < a.tiles; i += blockDim.x) acc = merge(acc, MaxSum{partial[i].x, partial[i].y});
-      lse = block_lse(acc, maxsum_scratch);
-    }
+    const float lse = a.select.renormalize ? 0.f : lse_of_partials(a.partial + r * a.partial_ld, a.tiles, maxsum_scratch);
     write_output(a.select, a.select.row0 + r, top, lse, sum_scratch);
     __syncthreads();
   }
