@@ -425,6 +425,18 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   return p;
 }
 
+// The head as the top-k selections recompute single logits from it.
+TopkHead topk_head(const core::TopkCall& call) {
+  TopkHead h;
+  h.dtype = call.input_dtype;
+  h.hidden = call.head.hidden.data;
+  h.hidden_ld = row_stride(call.head.hidden);
+  h.weight = call.head.weight.data;
+  h.weight_ld = row_stride(call.head.weight);
+  h.hidden_size = call.hidden;
+  return h;
+}
+
 enum TopkPiece {
   kTopkLogits, kTopkMatmulWs, kTopkSort, kTopkScalars, kTopkLse, kTopkBias,
   kTopkCandidates, kTopkSeconds, kTopkPartials, kTopkProductWs,
@@ -905,12 +917,7 @@ class CudaBackend final : public core::Backend {
       float4* partials = call.options.renormalize ? nullptr : static_cast<float4*>(piece(kTopkPartials));
       c.partial = partials;
       c.partial_ld = c.tiles;
-      c.dtype = call.input_dtype;
-      c.hidden = call.head.hidden.data;
-      c.hidden_ld = row_stride(call.head.hidden);
-      c.weight = call.head.weight.data;
-      c.weight_ld = row_stride(call.head.weight);
-      c.hidden_size = call.hidden;
+      c.head = topk_head(call);
       c.inv_temperature = float(1.0 / call.options.temperature);
       for (int64_t row0 = 0; row0 < call.n_tokens; row0 += R) {
         const int64_t rows = std::min(R, call.n_tokens - row0);
@@ -937,17 +944,6 @@ class CudaBackend final : public core::Backend {
       auto* kept = static_cast<uint64_t*>(piece(kTopkKept));
       auto* kept_count = static_cast<int32_t*>(piece(kTopkKeptCount));
       float4* partials = call.options.renormalize ? nullptr : static_cast<float4*>(piece(kTopkPartials));
-      // The sample's logits: column-major (sample, rows) = op(W's rows offset + step i) X^T.
-      MatmulShape sampled;
-      sampled.m = kTopkSampleColumns;
-      sampled.k = call.hidden;
-      sampled.trans_a = true;
-      sampled.lda = bar_plan.step * row_stride(call.head.weight);
-      sampled.ldb = x_ld;
-      sampled.ldd = kTopkSampleColumns;
-      sampled.ab_type = call.input_dtype;
-      sampled.d_type = LMLOSS_F32;
-      sampled.workspace_bytes = matmul_ws_bytes;
       const char* sample_weight = static_cast<const char*>(call.head.weight.data) +
                                   bar_plan.offset * row_stride(call.head.weight) * in_size;
       TopkKeptArgs c;
@@ -959,16 +955,14 @@ class CudaBackend final : public core::Backend {
       c.partial = partials;
       c.partial_ld = row_stats_tiles(call.vocab);
       c.tiles = c.partial_ld;
-      c.dtype = call.input_dtype;
-      c.hidden = call.head.hidden.data;
-      c.hidden_ld = x_ld;
-      c.weight = call.head.weight.data;
-      c.weight_ld = row_stride(call.head.weight);
-      c.hidden_size = call.hidden;
+      c.head = topk_head(call);
       c.redo_logits = static_cast<float*>(piece(kTopkRedo));
       for (int64_t row0 = 0; row0 < call.n_tokens; row0 += R) {
         const int64_t rows = std::min(R, call.n_tokens - row0);
-        sampled.n = rows;
+        // The sample's logits: the logits product over W's rows offset + step i alone.
+        MatmulShape sampled = logits_product(call, rows, kTopkSampleColumns, matmul_ws_bytes);
+        sampled.m = kTopkSampleColumns;
+        sampled.lda *= bar_plan.step;
         LMLOSS_CHECK(state->matmul.run(sampled, sample_weight, x + row0 * x_ld * in_size, sample, &scalars->one,
                                        &scalars->zero, matmul_ws, stream, context.tune_products));
         TopkBarArgs b;

@@ -447,6 +447,13 @@ __global__ void segment_offsets_kernel(int64_t* offsets, int64_t rows, int64_t k
 
 // ---- selection from the statistics product's kept logits (see topk.cuh) ----------------------
 
+// Token t's logit at column j, x_t . w_j in f32, by one warp (every lane gets it).
+template <typename T>
+__device__ float head_dot(const TopkHead& h, int64_t t, int64_t j) {
+  return warp_dot(static_cast<const T*>(h.hidden) + t * h.hidden_ld, static_cast<const T*>(h.weight) + j * h.weight_ld,
+                  h.hidden_size);
+}
+
 // A row's lse from the statistics product's partials (max, sum of exponentials) of its tiles.
 __device__ float lse_of_partials(const float4* partial, int64_t tiles, float2* scratch) {
   MaxSum acc{-INFINITY, 0.f};
@@ -499,8 +506,6 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
       for (int f = threadIdx.x; f < n_flagged; f += blockDim.x) candidates[flagged[f]] = 0;
       __syncthreads();
       select_top(candidates, n, k, sh.merge, kMergeCapacity, select_scratch);
-      const T* x = static_cast<const T*>(a.hidden) + t * a.hidden_ld;
-      const T* w = static_cast<const T*>(a.weight);
       for (int f0 = 0; f0 < n_flagged; f0 += kRecomputeGroups) {
         const int groups_now = min(kRecomputeGroups, n_flagged - f0);
         const int columns = groups_now * int(kTopkGroupColumns);
@@ -511,7 +516,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
                             2 * (group % kTopkCandidatesPerTile) + i % 2;
           uint64_t key = 0;
           if (j < a.select.vocab) {
-            const float s = warp_dot(x, w + j * a.weight_ld, a.hidden_size) * a.inv_temperature;
+            const float s = head_dot<T>(a.head, t, j) * a.inv_temperature;
             key = composite(order_key(s), j);
           }
           if (lane == 0) sh.merge[k + c] = key;
@@ -620,10 +625,8 @@ __global__ void __launch_bounds__(kTopkRowsThreads, kKeptBlocksPerSM) topk_kept_
 template <typename T>
 __device__ void redo_row(const TopkKeptArgs& a, int64_t r, float* z, uint64_t* candidates, RowsShared& sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const T* x = static_cast<const T*>(a.hidden) + (a.select.row0 + r) * a.hidden_ld;
-  const T* w = static_cast<const T*>(a.weight);
   for (int64_t j = warp; j < a.select.vocab; j += warps) {
-    const float dot = warp_dot(x, w + j * a.weight_ld, a.hidden_size);
+    const float dot = head_dot<T>(a.head, a.select.row0 + r, j);
     if (lane == 0) z[j] = dot;
   }
   __syncthreads();
@@ -696,7 +699,7 @@ bool topk_from_candidates_supported(int64_t vocab, int64_t k) {
 
 lmloss_status launch_topk_from_candidates(const TopkCandidatesArgs& a, cudaStream_t stream) {
   if (a.select.rows == 0) return LMLOSS_SUCCESS;
-  if (a.dtype != LMLOSS_BF16 && a.dtype != LMLOSS_F16)
+  if (a.head.dtype != LMLOSS_BF16 && a.head.dtype != LMLOSS_F16)
     return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k from the product: bf16 or f16 only");
   auto launch = [&](auto kernel) -> lmloss_status {
     const size_t shared = size_t(a.tiles) * kTopkCandidatesPerTile * sizeof(uint64_t);
@@ -705,7 +708,7 @@ lmloss_status launch_topk_from_candidates(const TopkCandidatesArgs& a, cudaStrea
     LMLOSS_CUDA_LAUNCHED("topk_candidates_kernel");
     return LMLOSS_SUCCESS;
   };
-  return a.dtype == LMLOSS_F16 ? launch(topk_candidates_kernel<__half>) : launch(topk_candidates_kernel<__nv_bfloat16>);
+  return a.head.dtype == LMLOSS_F16 ? launch(topk_candidates_kernel<__half>) : launch(topk_candidates_kernel<__nv_bfloat16>);
 }
 
 bool topk_bar_plan(int64_t vocab, int64_t k, TopkBarPlan* plan) {
@@ -737,7 +740,7 @@ size_t topk_redo_bytes(int64_t vocab) { return align256(sizeof(float) * size_t(k
 
 lmloss_status launch_topk_from_kept(const TopkKeptArgs& a, cudaStream_t stream) {
   if (a.select.rows == 0) return LMLOSS_SUCCESS;
-  if (a.dtype != LMLOSS_BF16 && a.dtype != LMLOSS_F16)
+  if (a.head.dtype != LMLOSS_BF16 && a.head.dtype != LMLOSS_F16)
     return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k from the product: bf16 or f16 only");
   if (a.select.k > kCapacity) return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k above a bar: k beyond shared memory");
   const int capacity = kept_keys_capacity(a.kept_expected, a.select.k);
@@ -753,7 +756,7 @@ lmloss_status launch_topk_from_kept(const TopkKeptArgs& a, cudaStream_t stream) 
     LMLOSS_CUDA_LAUNCHED("topk_redo_kernel");
     return LMLOSS_SUCCESS;
   };
-  return a.dtype == LMLOSS_F16 ? redo(topk_redo_kernel<__half>) : redo(topk_redo_kernel<__nv_bfloat16>);
+  return a.head.dtype == LMLOSS_F16 ? redo(topk_redo_kernel<__half>) : redo(topk_redo_kernel<__nv_bfloat16>);
 }
 
 int64_t topk_shared_capacity() { return kCapacity; }

@@ -74,6 +74,16 @@ struct TopkRowsArgs {
 // From the statistics product's kept logits (see above).
 constexpr int64_t kTopkFromProductMaxK = 128;
 
+// The head, for the logits the selections compute again one at a time: z = x . w in f32.
+struct TopkHead {
+  lmloss_dtype dtype = LMLOSS_BF16;  // bf16 or f16
+  const void* hidden = nullptr;      // (n_tokens, hidden_size) from token 0, stride hidden_ld
+  int64_t hidden_ld = 0;
+  const void* weight = nullptr;      // (vocab, hidden_size), stride weight_ld
+  int64_t weight_ld = 0;
+  int64_t hidden_size = 0;           // a multiple of 8, rows 16-byte aligned
+};
+
 struct TopkCandidatesArgs {
   TopkRowsArgs select;            // row0, rows, vocab, k and the outputs (logits, bias, scale unused)
   const uint64_t* candidates = nullptr;  // (rows, candidates_ld): the product's, per column group
@@ -82,13 +92,7 @@ struct TopkCandidatesArgs {
   int64_t tiles = 0;              // column tiles of the vocabulary
   const float4* partial = nullptr;  // (rows, partial_ld): the product's statistics (for the lse)
   int64_t partial_ld = 0;
-  // The head, for the tiles recomputed in full; s = (x . w) * inv_temperature.
-  lmloss_dtype dtype = LMLOSS_BF16;  // bf16 or f16
-  const void* hidden = nullptr;      // (n_tokens, hidden_size) from token 0, stride hidden_ld
-  int64_t hidden_ld = 0;
-  const void* weight = nullptr;      // (vocab, hidden_size), stride weight_ld
-  int64_t weight_ld = 0;
-  int64_t hidden_size = 0;           // a multiple of 8, rows 16-byte aligned
+  TopkHead head;                  // for the groups recomputed in full; s = z * inv_temperature
   float inv_temperature = 1;
 };
 
@@ -127,13 +131,7 @@ struct TopkKeptArgs {
   const float4* partial = nullptr;  // (rows, partial_ld): the product's statistics (for the lse)
   int64_t partial_ld = 0;
   int64_t tiles = 0;
-  // The head, for the rows redone: z = x . w.
-  lmloss_dtype dtype = LMLOSS_BF16;  // bf16 or f16
-  const void* hidden = nullptr;      // (n_tokens, hidden_size) from token 0, stride hidden_ld
-  int64_t hidden_ld = 0;
-  const void* weight = nullptr;      // (vocab, hidden_size), stride weight_ld
-  int64_t weight_ld = 0;
-  int64_t hidden_size = 0;           // a multiple of 8, rows 16-byte aligned
+  TopkHead head;                       // for the rows redone
   float* redo_logits = nullptr;      // topk_redo_bytes(vocab): the rows redone, one per block
 };
 // Device memory for the rows redone from scratch.
