@@ -12,8 +12,8 @@
 //                   (columns 128 t + 8 i + 2 g + e, i < 16, e < 2) as a top-k composite (topk_keys.cuh),
 //                   0 for none; seconds[r, same] = the group's second-largest s as an order key, 0 for
 //                   none (optional, both)
-//   kept[r, 0 .. kept_count[r]) = every (s_rj, j) with s_rj >= keep_above[r] as a top-k composite, in
-//                   no order; kept_count[r] counts on past kept_ld, where the list stops (optional, instead of
+//   kept[r, 0 .. kept_count[r]) = every (s_rj, j) with z_rj >= keep_above[r] (the accumulator,
+//                   before the scaling by 1/T) as a top-k composite, in no order; kept_count[r] counts on past kept_ld, where the list stops (optional, instead of
 //                   candidates)
 //
 // The logits of a forward-only call are needed for nothing but these, so they stay in the
@@ -81,7 +81,7 @@ struct RowStatsProductArgs {
   uint64_t* candidates = nullptr;    // (rows, candidates_ld >= kTopkCandidatesPerTile * tiles), optional
   uint32_t* seconds = nullptr;       // (rows, candidates_ld), with candidates
   int64_t candidates_ld = 0;
-  const float* keep_above = nullptr;  // (rows), optional, not with candidates: keep s >= keep_above[r]
+  const float* keep_above = nullptr;  // (rows), optional, not with candidates: keep z >= keep_above[r]
   uint64_t* kept = nullptr;           // (rows, kept_ld), with keep_above
   int32_t* kept_count = nullptr;      // (rows), with keep_above: zero before the product
   int64_t kept_ld = 0;

@@ -537,6 +537,18 @@ constexpr int kBarThreads = 256;
 constexpr int kRedoBlocks = 16;  // rows redone at once, each in a row of device memory
 constexpr int kKeptBlocksPerSM = 3;  // rows selected at once on an SM: one's reads under another's sort
 
+// The least z with z * inv_t >= bar in f32: rounding is monotone, so the z that pass form an upper
+// set of the floats, whose least element a few steps of one ulp from bar / inv_t find. Infinite
+// and NaN bars are their own (every z but NaN passes -inf, only +inf passes +inf, none NaN).
+__device__ float unscaled_bar(float bar, float inv_t) {
+  if (!(fabsf(bar) < INFINITY)) return bar;
+  auto passes = [&](float z) { return __fmul_rn(z, inv_t) >= bar; };
+  float z = __fdiv_rn(bar, inv_t);
+  while (!passes(z)) z = nextafterf(z, INFINITY);
+  for (float lower = nextafterf(z, -INFINITY); passes(lower); lower = nextafterf(z, -INFINITY)) z = lower;
+  return z;
+}
+
 // The rank-th largest key of each row's sample by a radix select, 8 bits a pass, each thread
 // holding its keys in registers (a bitonic sort of the 1024 composites took 0.24 ms for 8192 rows
 // on an H200, its instructions the limit).
@@ -571,7 +583,7 @@ __global__ void __launch_bounds__(kBarThreads) topk_bar_kernel(const TopkBarArgs
       __syncthreads();  // hist, digit and above are written again
     }
     if (threadIdx.x == 0) {
-      a.bar[r] = key_value(prefix);
+      a.bar[r] = unscaled_bar(key_value(prefix), a.inv_temperature);
       a.kept_count[r] = 0;
     }
   }

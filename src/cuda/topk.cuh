@@ -111,7 +111,9 @@ struct TopkBarPlan {
 };
 bool topk_bar_plan(int64_t vocab, int64_t k, TopkBarPlan* plan);
 
-// bar[r] = the rank-th largest of sample[r, :] * inv_temperature; kept_count[r] = 0.
+// bar[r] = the least z with z * inv_temperature (rounded to f32) at least the rank-th largest of
+// sample[r, :] * inv_temperature: z >= bar[r] exactly where the scaled logit reaches that value,
+// so the product compares its accumulators unscaled; kept_count[r] = 0.
 struct TopkBarArgs {
   const float* sample = nullptr;  // (rows, kTopkSampleColumns): the sampled logits, unscaled
   int64_t rows = 0;

@@ -332,8 +332,9 @@ class RowStatsEpilogue {
     }
   }
 
-  // Every logit at or above its row's bar as a top-k composite, appended to the row's list: a
-  // pass counts each thread's, the quad (the row's four threads) sums them and takes its room in
+  // Every logit at or above its row's bar as a top-k composite, appended to the row's list. The
+  // bar is in the accumulators' units (topk.cuh: z >= it exactly where z / T >= the bar on s),
+  // so the passes compare without scaling; a pass counts each thread's, the quad (the row's four threads) sums them and takes its room in
   // the list with one atomic, and a second pass writes them. The list is in no order (the
   // selection sorts it), so the outputs stay deterministic. Past kept_ld nothing is written but
   // the count goes on: the selection then knows the list overflowed.
@@ -353,7 +354,7 @@ class RowStatsEpilogue {
     for (int i = 0; i < size(z); ++i) {
       if (kRagged && get<1>(thread_coords(i)) >= vocab) continue;
       const int k = slot_of(i);
-      passed[k] += z(i) * inv_t >= bar[k];
+      passed[k] += z(i) >= bar[k];
     }
     const int quad_lane = thread_idx & 3;
     int at[kSlots];  // this thread's next place in its row's list
@@ -374,9 +375,9 @@ class RowStatsEpilogue {
       const int col = get<1>(thread_coords(i));
       if (kRagged && col >= vocab) continue;
       const int k = slot_of(i);
-      const float s = z(i) * inv_t;
-      if (s >= bar[k]) {
-        if (at[k] < params_.kept_ld) params_.kept[int64_t(row_of[k]) * params_.kept_ld + at[k]] = composite(order_key(s), col);
+      if (z(i) >= bar[k]) {
+        if (at[k] < params_.kept_ld)
+          params_.kept[int64_t(row_of[k]) * params_.kept_ld + at[k]] = composite(order_key(z(i) * inv_t), col);
         ++at[k];
       }
     }
