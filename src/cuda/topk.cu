@@ -100,50 +100,82 @@ __device__ __forceinline__ void bitonic_step_shared(uint64_t* keys, int n, int s
   __syncthreads();
 }
 
-// Descending bitonic sort of n (a power of two) keys in shared memory. The steps of stride 32
-// and below stay inside 64-key segments: each warp takes a segment into registers (two keys a
-// lane) and runs them there, by shuffles, without block barriers. (With every step through
-// shared memory, 78 barriers and passes for 4096 keys, the rows kernel took 1.03 ms per 1920 rows
-// of 128256 at k 2048, 0.48 ms at k 129, on an H200: the sort's size is the difference.)
-__device__ void bitonic_sort_desc(uint64_t* keys, int n) {
-  constexpr int kSegment = 64;
-  if (n < kSegment) {
-    for (int size = 2; size <= n; size <<= 1)
-      for (int stride = size >> 1; stride > 0; stride >>= 1) bitonic_step_shared(keys, n, size, stride);
-    return;
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int size = 2; size <= n; size <<= 1) {
-    int stride = size >> 1;
-    for (; stride >= kSegment; stride >>= 1) bitonic_step_shared(keys, n, size, stride);
-    for (int segment = warp; segment < n / kSegment; segment += warps) {
-      const int i0 = segment * kSegment + lane, i1 = i0 + 32;  // this lane's two keys
-      uint64_t x0 = keys[i0], x1 = keys[i1];
-      const bool desc = (i0 & size) == 0;  // i1 differs from i0 only in bit 32 < size, if size > 32
-      for (int s = stride; s > 0; s >>= 1) {
-        if (s == 32) {  // the pair (i0, i1) sits in one lane
-          if ((x0 < x1) == desc) {
-            const uint64_t t = x0;
-            x0 = x1;
-            x1 = t;
-          }
-          continue;
+// The bitonic steps of strides top_stride down to 1 (top_stride below 32 kPerLane) of the
+// sequences of `size` over a warp's segment of 32 kPerLane keys held in registers: lane l holds
+// keys i0 + 32 e, e < kPerLane, i0 = the segment's first index + l. Strides of 32 and above pair
+// two of a lane's own keys; smaller ones pair lanes, by shuffles. Every loop unrolls, so each key
+// stays in its register.
+template <int kPerLane>
+__device__ __forceinline__ void segment_steps(uint64_t (&x)[kPerLane], int i0, int size, int top_stride) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int level = 0; (1 << level) < 32 * kPerLane; ++level) {
+    const int s = (32 * kPerLane / 2) >> level;  // the stride, halving
+    if (s > top_stride) continue;
+    if (s >= 32) {
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        if (e & (s / 32)) continue;  // the lower of the pair (e, e + s / 32)
+        const bool desc = ((i0 + 32 * e) & size) == 0;
+        const uint64_t lo = x[e], hi = x[e + s / 32];
+        if ((lo < hi) == desc) {
+          x[e] = hi;
+          x[e + s / 32] = lo;
         }
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
         // The partner of key i is i ^ s, s lanes over; the lower of the pair keeps the larger
         // where the sequence descends.
+        const bool desc = ((i0 + 32 * e) & size) == 0;
         const bool keep_max = ((lane & s) == 0) == desc;
-        const bool desc1 = (i1 & size) == 0;
-        const bool keep_max1 = ((lane & s) == 0) == desc1;
-        const uint64_t y0 = __shfl_xor_sync(0xffffffffu, x0, s);
-        const uint64_t y1 = __shfl_xor_sync(0xffffffffu, x1, s);
-        x0 = keep_max == (y0 > x0) ? y0 : x0;
-        x1 = keep_max1 == (y1 > x1) ? y1 : x1;
+        const uint64_t y = __shfl_xor_sync(0xffffffffu, x[e], s);
+        x[e] = keep_max == (y > x[e]) ? y : x[e];
       }
-      keys[i0] = x0;
-      keys[i1] = x1;
+    }
+  }
+}
+
+// Descending bitonic sort of n (a power of two, at least 32 kPerLane) keys in shared memory. Each
+// warp takes segments of 32 kPerLane keys into registers: the sequences up to a segment long are
+// sorted there in one visit, and every longer size takes its strides of a segment and more
+// through shared memory, then the rest in one visit of each segment. (With every step through
+// shared memory, 78 barriers and passes for 4096 keys, the rows kernel took 1.03 ms per 1920 rows
+// of 128256 at k 2048, 0.48 ms at k 129, on an H200: the sort's size is the difference.)
+template <int kPerLane>
+__device__ void bitonic_sort_desc_in_segments(uint64_t* keys, int n) {
+  constexpr int kSegment = 32 * kPerLane;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  auto visit_segments = [&](auto&& steps) {
+    for (int segment = warp; segment < n / kSegment; segment += warps) {
+      const int i0 = segment * kSegment + lane;
+      uint64_t x[kPerLane];
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) x[e] = keys[i0 + 32 * e];
+      steps(x, i0);
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) keys[i0 + 32 * e] = x[e];
     }
     __syncthreads();
+  };
+  visit_segments([&](uint64_t (&x)[kPerLane], int i0) {
+    for (int size = 2; size <= kSegment; size <<= 1) segment_steps(x, i0, size, size / 2);
+  });
+  for (int size = 2 * kSegment; size <= n; size <<= 1) {
+    for (int stride = size / 2; stride >= kSegment; stride >>= 1) bitonic_step_shared(keys, n, size, stride);
+    visit_segments([&](uint64_t (&x)[kPerLane], int i0) { segment_steps(x, i0, size, kSegment / 2); });
   }
+}
+
+// Descending bitonic sort of n (a power of two) keys in shared memory; the caller has
+// synchronised them. Segments of 256 keys (8 a lane) from 256 keys on, of 64 below (a sort of
+// 2048 then takes 6 block-wide steps instead of 15, and 4 visits of the segments instead of 11).
+__device__ void bitonic_sort_desc(uint64_t* keys, int n) {
+  if (n >= 256) return bitonic_sort_desc_in_segments<8>(keys, n);
+  if (n >= 64) return bitonic_sort_desc_in_segments<2>(keys, n);
+  for (int size = 2; size <= n; size <<= 1)
+    for (int stride = size >> 1; stride > 0; stride >>= 1) bitonic_step_shared(keys, n, size, stride);
 }
 
 // Sorts keys[0, count) descending, zeros padding them to a power of two of at least `at_least`
