@@ -765,9 +765,11 @@ bool topk_bar_plan(int64_t vocab, int64_t k, TopkBarPlan* plan) {
   plan->step = vocab / kTopkSampleColumns;
   plan->offset = plan->step / 2;
   plan->rank = rank;
-  // Room for the share of the row above the rank-th of the sample, 6 standard deviations of
-  // the sample's count over (a row overflows it about once in 10^9 rows).
-  const double share = (double(rank) + 6.0 * std::sqrt(double(rank)) + 12.0) / double(kTopkSampleColumns);
+  // Room for the share of the row above the rank-th of the sample, 4 standard deviations of
+  // the sample's count over (a row overflows it about once in 3 x 10^6 rows): at V 256000 and k
+  // 2048, 112 KiB a row, so that 8192 rows fit the default budget in one chunk (132 KiB at 6
+  // standard deviations made two).
+  const double share = (double(rank) + 4.0 * std::sqrt(double(rank)) + 12.0) / double(kTopkSampleColumns);
   plan->kept_ld = std::max<int64_t>(k, (int64_t(std::ceil(double(vocab) * share)) + 255) / 256 * 256);
   plan->kept_expected = rank * vocab / kTopkSampleColumns;
   return true;
