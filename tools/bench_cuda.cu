@@ -527,7 +527,7 @@ class ModesBench {
   // `only`: a part of the products' names to keep (all when empty).
   void survey_algorithms(int64_t rows, const std::string& only) {
     void* z = full_logits();
-    DeviceBuffer z32(size_t(rows) * v_ * 4);
+    DeviceBuffer z32(size_t(rows) * v_ * 4), dx32(size_t(rows) * h_ * 4);
     struct Shape {
       const char* name;
       int64_t m, n, k;
@@ -542,6 +542,7 @@ class ModesBench {
         {"forward f32 chunk", rows, v_, h_, false, true, x_.ptr, w_.ptr, z32.ptr, LMLOSS_F32, 0.f},
         {"dX (floor)", n_, h_, v_, false, false, z, w_.ptr, dx_.ptr, dt_, 0.f},
         {"dX chunk", rows, h_, v_, false, false, z, w_.ptr, dx_.ptr, dt_, 0.f},
+        {"dX chunk f32", rows, h_, v_, false, false, z, w_.ptr, dx32.ptr, LMLOSS_F32, 0.f},
         {"dW (floor)", v_, h_, n_, true, false, z, x_.ptr, dw_.ptr, LMLOSS_F32, 0.f},
         {"dW chunk, beta 0", v_, h_, rows, true, false, z, x_.ptr, dw_.ptr, LMLOSS_F32, 0.f},
         {"dW chunk, beta 1", v_, h_, rows, true, false, z, x_.ptr, dw_.ptr, LMLOSS_F32, 1.f},
