@@ -13,8 +13,8 @@
 //                   0 for none; seconds[r, same] = the group's second-largest s as an order key, 0 for
 //                   none (optional, both)
 //   kept[r, 0 .. kept_count[r]) = every (s_rj, j) with z_rj >= keep_above[r] (the accumulator,
-//                   before the scaling by 1/T) as a top-k composite, in no order; kept_count[r] counts on past kept_ld, where the list stops (optional, instead of
-//                   candidates)
+//                   before the scaling by 1/T) as a top-k composite, in no order; kept_count[r]
+//                   counts on past kept_ld, where the list stops (optional, instead of candidates)
 //
 // The logits of a forward-only call are needed for nothing but these, so they stay in the
 // product's f32 accumulators: no logits chunk is written or read back (a 4-byte write and read

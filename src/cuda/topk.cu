@@ -764,18 +764,25 @@ bool topk_from_candidates_supported(int64_t vocab, int64_t k) {
          row_stats_tiles(vocab) * kTopkCandidatesPerTile <= kMaxCandidates;
 }
 
+// f(T{}) for the head's element type T (the selections from the product compute single logits
+// from it again), before anything is launched; an error for a head that is not 16-bit.
+template <typename F>
+lmloss_status with_head_type(const TopkHead& head, F&& f) {
+  if (head.dtype == LMLOSS_F16) return f(__half{});
+  if (head.dtype == LMLOSS_BF16) return f(__nv_bfloat16{});
+  return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k from the product: bf16 or f16 only");
+}
+
 lmloss_status launch_topk_from_candidates(const TopkCandidatesArgs& a, cudaStream_t stream) {
   if (a.select.rows == 0) return LMLOSS_SUCCESS;
-  if (a.head.dtype != LMLOSS_BF16 && a.head.dtype != LMLOSS_F16)
-    return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k from the product: bf16 or f16 only");
-  auto launch = [&](auto kernel) -> lmloss_status {
+  return with_head_type(a.head, [&](auto element) -> lmloss_status {
+    const auto kernel = topk_candidates_kernel<decltype(element)>;
     const size_t shared = size_t(a.tiles) * kTopkCandidatesPerTile * sizeof(uint64_t);
     LMLOSS_CHECK(allow_dynamic_shared(kernel, shared));
     kernel<<<row_grid(a.select.rows), kTopkThreads, shared, stream>>>(a);
     LMLOSS_CUDA_LAUNCHED("topk_candidates_kernel");
     return LMLOSS_SUCCESS;
-  };
-  return a.head.dtype == LMLOSS_F16 ? launch(topk_candidates_kernel<__half>) : launch(topk_candidates_kernel<__nv_bfloat16>);
+  });
 }
 
 bool topk_bar_plan(int64_t vocab, int64_t k, TopkBarPlan* plan) {
@@ -810,23 +817,21 @@ size_t topk_redo_bytes(int64_t vocab) { return align256(sizeof(float) * size_t(k
 
 lmloss_status launch_topk_from_kept(const TopkKeptArgs& a, cudaStream_t stream) {
   if (a.select.rows == 0) return LMLOSS_SUCCESS;
-  if (a.head.dtype != LMLOSS_BF16 && a.head.dtype != LMLOSS_F16)
-    return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k from the product: bf16 or f16 only");
   if (a.select.k > kCapacity) return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k above a bar: k beyond shared memory");
-  const int capacity = kept_keys_capacity(a.kept_expected, a.select.k);
-  const size_t keys_bytes = sizeof(uint64_t) * size_t(capacity);
-  LMLOSS_CHECK(allow_dynamic_shared(topk_kept_kernel, keys_bytes));
-  LMLOSS_CHECK(prefer_shared_memory(topk_kept_kernel));
-  topk_kept_kernel<<<row_grid(a.select.rows), kTopkRowsThreads, keys_bytes, stream>>>(a, capacity);
-  LMLOSS_CUDA_LAUNCHED("topk_kept_kernel");
-  auto redo = [&](auto kernel) -> lmloss_status {
-    LMLOSS_CHECK(allow_dynamic_shared(kernel, kCapacity * sizeof(uint64_t)));
+  return with_head_type(a.head, [&](auto element) -> lmloss_status {
+    const int capacity = kept_keys_capacity(a.kept_expected, a.select.k);
+    const size_t keys_bytes = sizeof(uint64_t) * size_t(capacity);
+    LMLOSS_CHECK(allow_dynamic_shared(topk_kept_kernel, keys_bytes));
+    LMLOSS_CHECK(prefer_shared_memory(topk_kept_kernel));
+    topk_kept_kernel<<<row_grid(a.select.rows), kTopkRowsThreads, keys_bytes, stream>>>(a, capacity);
+    LMLOSS_CUDA_LAUNCHED("topk_kept_kernel");
+    const auto redo = topk_redo_kernel<decltype(element)>;
+    LMLOSS_CHECK(allow_dynamic_shared(redo, kCapacity * sizeof(uint64_t)));
     const unsigned blocks = unsigned(std::min<int64_t>(a.select.rows, kRedoBlocks));
-    kernel<<<blocks, kTopkRowsThreads, kCapacity * sizeof(uint64_t), stream>>>(a);
+    redo<<<blocks, kTopkRowsThreads, kCapacity * sizeof(uint64_t), stream>>>(a);
     LMLOSS_CUDA_LAUNCHED("topk_redo_kernel");
     return LMLOSS_SUCCESS;
-  };
-  return a.head.dtype == LMLOSS_F16 ? redo(topk_redo_kernel<__half>) : redo(topk_redo_kernel<__nv_bfloat16>);
+  });
 }
 
 int64_t topk_shared_capacity() { return kCapacity; }

@@ -350,11 +350,12 @@ class RowStatsEpilogue {
                                   int vocab, int thread_idx) const {
     auto slot_of = [](int i) { return row_slot<decltype(z.layout())>(i); };
     const float inv_t = params_.inv_temperature;
-    float bar[kSlots];  // NaN beyond the chunk's rows: no logit passes
+    const float unreached = __int_as_float(0x7fffffff);  // NaN: no logit is at or above it
+    float bar[kSlots];  // unreached beyond the chunk's rows
     int passed[kSlots];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kSlots; ++k) {
-      bar[k] = row_of[k] < rows ? params_.keep_above[row_of[k]] : __int_as_float(0x7fffffff);
+      bar[k] = row_of[k] < rows ? params_.keep_above[row_of[k]] : unreached;
       passed[k] = 0;
     }
     CUTLASS_PRAGMA_UNROLL
@@ -365,7 +366,7 @@ class RowStatsEpilogue {
     }
     const int quad_lane = thread_idx & 3;
     const int64_t kept_ld = params_.kept_ld;
-    float write_bar[kSlots];  // bar[k], or NaN where this thread's share does not fit the list
+    float write_bar[kSlots];  // bar[k], or unreached where this thread's share does not fit the list
     uint64_t* out[kSlots];    // this thread's next place in its row's list
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kSlots; ++k) {
@@ -379,7 +380,7 @@ class RowStatsEpilogue {
       if (quad_lane == 0 && total > 0) base = atomicAdd(&params_.kept_count[row_of[k]], total);
       const int64_t at = __shfl_sync(0xffffffffu, base, 0, 4) + inclusive - passed[k];
       const bool fits = passed[k] > 0 && at + passed[k] <= kept_ld;
-      write_bar[k] = fits ? bar[k] : __int_as_float(0x7fffffff);
+      write_bar[k] = fits ? bar[k] : unreached;
       asm volatile("" : "+f"(write_bar[k]));  // opaque to the compiler: no reuse of the first pass
       out[k] = params_.kept + (fits ? int64_t(row_of[k]) * kept_ld + at : 0);
     }
