@@ -170,6 +170,7 @@ class RowStatsEpilogue {
     // exp(s - max s) = 2^((z - max z) log2(e) / T), and T > 0 makes max s = (max z) / T exactly.
     const float inv_t = params_.inv_temperature;
     const float to_log2 = inv_t * kLog2e;
+    const int tile_cols = int(size<1>(tile_mnk)), tile_col0 = n_tile * tile_cols;
     float row_max[kSlots], row_sum[kSlots], row_sum_s[kSlots];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kSlots; ++k) {
@@ -180,12 +181,23 @@ class RowStatsEpilogue {
       auto in_vocab = [&](int col) { return !decltype(ragged)::value || col < vocab; };
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(z); ++i) {
-        const int col = get<1>(thread_coords(i));
         const int k = slot_of(i);
-        if (!in_vocab(col)) continue;
+        if (!in_vocab(get<1>(thread_coords(i)))) continue;
         row_max[k] = fmaxf(row_max[k], z(i));
-        if constexpr (!kTopk) {  // top-k has no labels
-          if (col == label_of[k]) params_.label_s[row_of[k]] = z(i) * inv_t;
+      }
+      // The label's logit, looked for only where a row's label falls in this tile (one tile of a
+      // row's V / 128): tested at every logit, the 64-bit compare and the predicated store cost
+      // ~400 instructions a warp per tile (ncu's SASS counts on an H200).
+      if constexpr (!kTopk) {  // top-k has no labels
+        bool label_here = false;
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < kSlots; ++k) label_here |= label_of[k] >= tile_col0 && label_of[k] < tile_col0 + tile_cols;
+        if (label_here) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(z); ++i) {
+            const int k = slot_of(i);
+            if (get<1>(thread_coords(i)) == label_of[k]) params_.label_s[row_of[k]] = z(i) * inv_t;
+          }
         }
       }
       CUTLASS_PRAGMA_UNROLL
@@ -196,11 +208,14 @@ class RowStatsEpilogue {
       // The exponential form sums the values it stores (one exponential per logit, not two).
       const bool exp_form = !kTopk && params_.shifted && params_.exp_shift;
       if (!exp_form) {
+        float max_log2[kSlots];  // 2^(z log2(e) / T - this) = exp(s - max s): one FMA a logit
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < kSlots; ++k) max_log2[k] = row_max[k] * to_log2;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(z); ++i) {
           if (!in_vocab(get<1>(thread_coords(i)))) continue;
           const int k = slot_of(i);
-          row_sum[k] += exp2f((z(i) - row_max[k]) * to_log2);
+          row_sum[k] += exp2_ftz(fmaf(z(i), to_log2, -max_log2[k]));
           if constexpr (!kTopk) row_sum_s[k] += z(i);  // top-k's lse needs no sum of s
         }
       }
@@ -287,7 +302,7 @@ class RowStatsEpilogue {
   }
   // In f32, before the rounding to Element.
   CUTLASS_DEVICE float stored(float z, float offset) const {
-    if (params_.exp_shift) return exp2f(fmaf(z, params_.inv_temperature * kLog2e, -offset));
+    if (params_.exp_shift) return exp2_ftz(fmaf(z, params_.inv_temperature * kLog2e, -offset));
     return (z - offset) * params_.inv_temperature;
   }
 
@@ -391,6 +406,16 @@ class RowStatsEpilogue {
       const int k = slot_of(i);
       if (z(i) >= write_bar[k]) *out[k]++ = composite(order_key(z(i) * inv_t), col);
     }
+  }
+
+  // 2^x by the multifunction unit alone, results below 2^-126 flushed to zero: exp2f keeps them
+  // as subnormals at three more instructions a call (a compare and two scalings, on an H200's
+  // SASS), which the epilogue pays per logit. A softmax term that small is lost beside the row's
+  // largest (1) anyway, and a stored one was a subnormal bf16 gradient.
+  CUTLASS_DEVICE static float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
   }
 
   // Which of the thread's rows accumulator element i belongs to.
