@@ -951,7 +951,6 @@ class CudaBackend final : public core::Backend {
       c.kept = kept;
       c.kept_count = kept_count;
       c.kept_ld = bar_plan.kept_ld;
-      c.kept_expected = bar_plan.kept_expected;
       c.partial = partials;
       c.partial_ld = row_stats_tiles(call.vocab);
       c.tiles = c.partial_ld;

@@ -208,47 +208,82 @@ struct SelectScratch {
   int* count;
 };
 
-// out[0, k) = the k largest of keys[0, n), descending (keys may hold zeros, which lose): a radix
-// select over the 64-bit composites narrows to at most `capacity` of them (they are distinct, so
-// it always can; capacity >= k), which are gathered into out and sorted by a bitonic sort padded
-// to a power of two (out holds capacity's, itself a power of two). The caller has synchronised
-// the keys; where n > capacity the caller may have read n from *sh.count (a stage's barriers pass
-// before it is written).
-__device__ void select_top(const uint64_t* keys, int n, int k, uint64_t* out, int capacity, const SelectScratch& sh) {
-  constexpr int kStageBits[6] = {11, 11, 10, 11, 11, 10};
+// Where the k largest of keys[0, n) start: a radix select over the 64-bit composites narrows to
+// at most `capacity` of them (they are distinct, so it always can; capacity >= k), those whose
+// bits above `shift` reach `prefix`. The caller has synchronised the keys.
+struct TopBound {
   uint64_t prefix = 0;
-  int shift = 64, k_rem = k, above = 0, count = n;
+  int shift = 64;
+  bool real_only = false;  // fewer than k real keys: every nonzero one, and no zeros
+  __device__ bool takes(uint64_t c) const {
+    return (shift == 64 || (c >> shift) >= prefix) && !(real_only && c == 0);
+  }
+};
+__device__ TopBound bound_top(const uint64_t* keys, int n, int k, int capacity, const SelectScratch& sh) {
+  constexpr int kStageBits[6] = {11, 11, 10, 11, 11, 10};
+  TopBound t;
+  int k_rem = k, above = 0, count = n;
   for (int stage = 0; stage < 6 && count > capacity; ++stage) {
-    const int bits = kStageBits[stage], next = shift - bits;
+    const int bits = kStageBits[stage], next = t.shift - bits;
     const uint64_t mask = (uint64_t(1) << bits) - 1;
     for (int b = threadIdx.x; b < (1 << bits); b += blockDim.x) sh.hist[b] = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
       const uint64_t c = keys[i];
-      if (stage == 0 || (c >> shift) == prefix) histogram_add(sh.hist, int((c >> next) & mask));
+      if (stage == 0 || (c >> t.shift) == t.prefix) histogram_add(sh.hist, int((c >> next) & mask));
     }
     __syncthreads();
     find_digit(sh.hist, 1 << bits, k_rem, sh.digit, sh.above, blockDim.x);
     __syncthreads();
-    prefix = (prefix << bits) | uint64_t(*sh.digit);
-    shift = next;
+    t.prefix = (t.prefix << bits) | uint64_t(*sh.digit);
+    t.shift = next;
     above += *sh.above;
     k_rem -= *sh.above;
     count = above + sh.hist[*sh.digit];
     __syncthreads();  // hist and digit are written again
   }
   // Still too many only when the k-th is an empty slot (fewer than k real keys): the real ones.
-  const bool real_only = count > capacity;
+  t.real_only = count > capacity;
+  return t;
+}
+
+// out[0, k) = the k largest of keys[0, n), descending (keys may hold zeros, which lose): those
+// bound_top keeps, at most `capacity`, gathered into out and sorted by a bitonic sort padded to a
+// power of two (out holds capacity's, itself a power of two). The caller has synchronised the
+// keys; where n > capacity the caller may have read n from *sh.count (a stage's barriers pass
+// before it is written).
+__device__ void select_top(const uint64_t* keys, int n, int k, uint64_t* out, int capacity, const SelectScratch& sh) {
+  const TopBound t = bound_top(keys, n, k, capacity, sh);
   if (threadIdx.x == 0) *sh.count = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const uint64_t c = keys[i];
-    const bool take = (shift == 64 || (c >> shift) >= prefix) && !(real_only && c == 0);
+    const bool take = t.takes(c);
     const int at = warp_append(sh.count, take);
     if (take) out[at] = c;
   }
   __syncthreads();
   sort_desc_padded(out, *sh.count, k);
+}
+
+// select_top with out = keys (shared memory with room for at least k's power of two): the kept
+// keys move to the front a block-wide round at a time, each round's keys all read before any is
+// written (a key moves to a place below the round's end, whose keys are read), so no room beside
+// the keys is needed. The caller has synchronised the keys.
+__device__ void select_top_in_place(uint64_t* keys, int n, int k, const SelectScratch& sh) {
+  const TopBound t = bound_top(keys, n, k, int(pow2_at_least(k)), sh);
+  if (threadIdx.x == 0) *sh.count = 0;
+  __syncthreads();
+  for (int first = 0; first < n; first += blockDim.x) {
+    const int i = first + int(threadIdx.x);
+    const uint64_t c = i < n ? keys[i] : 0;
+    const bool take = i < n && t.takes(c);
+    __syncthreads();
+    const int at = warp_append(sh.count, take);
+    if (take) keys[at] = c;
+  }
+  __syncthreads();
+  sort_desc_padded(keys, *sh.count, k);
 }
 
 // Sorts of fewer keys than this cost less than the select passes that would halve them (top-k
@@ -637,13 +672,6 @@ __device__ bool kept_list_holds_top_k(const TopkKeptArgs& a, int64_t r) {
   return n >= a.select.k && n <= a.kept_ld;
 }
 
-// Keys the list kernel holds in shared memory: kCapacity where a list of the expected length fits
-// beside k's power of two (three blocks an SM), else kKeptLongCapacity (two).
-constexpr int kKeptLongCapacity = 12288;
-int kept_keys_capacity(int64_t kept_expected, int64_t k) {
-  return kept_expected + pow2_at_least(k) <= kCapacity ? kCapacity : kKeptLongCapacity;
-}
-
 // keys[0, n) = list[0, n) by asynchronous 16-byte copies (list and keys 16-byte aligned), every
 // thread's copies in flight at once; synchronises the block. (Copied a key at a time, each store
 // waited on its load: 17% of the list kernel's stall samples at k 2048 on an H200. With this
@@ -658,11 +686,13 @@ __device__ void copy_list(uint64_t* keys, const uint64_t* list, int n) {
 }
 
 // One block per row whose list holds its top k. The list is copied into shared memory when it
-// fits beside k's sorted power of two (one coalesced read; the select's passes over device
-// memory waited on L2 at every step: 2.1 ms for 8192 rows at k 2048, V 128256 on an H200, 1.4
-// with the copy), then selected and sorted there; a longer list is selected from device memory.
-__global__ void __launch_bounds__(kTopkRowsThreads, kKeptBlocksPerSM) topk_kept_kernel(const TopkKeptArgs a, int capacity) {
-  extern __shared__ uint64_t keys[];  // (capacity)
+// fits there (one coalesced read; the select's passes over device memory waited on L2 at every
+// step: 2.1 ms for 8192 rows at k 2048, V 128256 on an H200, 1.4 with the copy), then selected
+// and sorted in place; a longer list is selected from device memory. kCapacity keys leave room
+// for three blocks an SM. (Beside the list, k's sorted power of two took room for 2,048 keys
+// more: at gemma2-2b, lists of ~6,250 keys, two blocks an SM.)
+__global__ void __launch_bounds__(kTopkRowsThreads, kKeptBlocksPerSM) topk_kept_kernel(const TopkKeptArgs a) {
+  extern __shared__ uint64_t keys[];  // (kCapacity)
   __shared__ int hist[kBins];
   __shared__ int digit, above, count;
   __shared__ float2 maxsum_scratch[32];
@@ -674,15 +704,16 @@ __global__ void __launch_bounds__(kTopkRowsThreads, kKeptBlocksPerSM) topk_kept_
     if (!kept_list_holds_top_k(a, r)) continue;  // the redo kernel's row
     const uint64_t* list = a.kept + r * a.kept_ld;
     const int n = a.kept_count[r];
-    const uint64_t* top = keys;
-    if (n + k_pow2 <= capacity) {
+    if (n <= kCapacity) {
       copy_list(keys, list, n);
-      top = sort_top_k(keys, n, k, capacity, select_scratch);
+      const int n_pow2 = int(pow2_at_least(n));
+      if (n_pow2 < kSelectFromKeys || k_pow2 >= n_pow2) sort_desc_padded(keys, n);  // as sort_top_k
+      else select_top_in_place(keys, n, k, select_scratch);
     } else {
       select_top(list, n, k, keys, k_pow2, select_scratch);
     }
     const float lse = a.select.renormalize ? 0.f : lse_of_partials(a.partial + r * a.partial_ld, a.tiles, maxsum_scratch);
-    write_output(a.select, a.select.row0 + r, top, lse, sum_scratch);
+    write_output(a.select, a.select.row0 + r, keys, lse, sum_scratch);
     __syncthreads();
   }
 }
@@ -802,7 +833,6 @@ bool topk_bar_plan(int64_t vocab, int64_t k, TopkBarPlan* plan) {
   const double share = (double(rank) + 4.0 * std::sqrt(double(rank)) + 12.0) / double(kTopkSampleColumns);
   // A whole number of 256 keys, so each row's list starts 16-byte aligned for the copies.
   plan->kept_ld = (std::max<int64_t>(k, int64_t(std::ceil(double(vocab) * share))) + 255) / 256 * 256;
-  plan->kept_expected = rank * vocab / kTopkSampleColumns;
   return true;
 }
 
@@ -819,11 +849,10 @@ lmloss_status launch_topk_from_kept(const TopkKeptArgs& a, cudaStream_t stream) 
   if (a.select.rows == 0) return LMLOSS_SUCCESS;
   if (a.select.k > kCapacity) return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA top-k above a bar: k beyond shared memory");
   return with_head_type(a.head, [&](auto element) -> lmloss_status {
-    const int capacity = kept_keys_capacity(a.kept_expected, a.select.k);
-    const size_t keys_bytes = sizeof(uint64_t) * size_t(capacity);
+    const size_t keys_bytes = sizeof(uint64_t) * size_t(kCapacity);
     LMLOSS_CHECK(allow_dynamic_shared(topk_kept_kernel, keys_bytes));
     LMLOSS_CHECK(prefer_shared_memory(topk_kept_kernel));
-    topk_kept_kernel<<<row_grid(a.select.rows), kTopkRowsThreads, keys_bytes, stream>>>(a, capacity);
+    topk_kept_kernel<<<row_grid(a.select.rows), kTopkRowsThreads, keys_bytes, stream>>>(a);
     LMLOSS_CUDA_LAUNCHED("topk_kept_kernel");
     const auto redo = topk_redo_kernel<decltype(element)>;
     LMLOSS_CHECK(allow_dynamic_shared(redo, kCapacity * sizeof(uint64_t)));

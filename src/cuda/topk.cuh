@@ -107,7 +107,6 @@ lmloss_status launch_topk_from_candidates(const TopkCandidatesArgs& args, cudaSt
 constexpr int64_t kTopkSampleColumns = 1024;
 struct TopkBarPlan {
   int64_t step = 0, offset = 0, rank = 0, kept_ld = 0;
-  int64_t kept_expected = 0;  // a row's list's expected length
 };
 bool topk_bar_plan(int64_t vocab, int64_t k, TopkBarPlan* plan);
 
@@ -129,7 +128,6 @@ struct TopkKeptArgs {
   const uint64_t* kept = nullptr;      // (rows, kept_ld): the product's lists
   const int32_t* kept_count = nullptr;  // (rows)
   int64_t kept_ld = 0;
-  int64_t kept_expected = 0;           // TopkBarPlan's
   const float4* partial = nullptr;  // (rows, partial_ld): the product's statistics (for the lse)
   int64_t partial_ld = 0;
   int64_t tiles = 0;
