@@ -517,8 +517,14 @@ class ModesBench {
     if (count >= 3) products_.run(v_, h_, n_, true, false, z, x_.ptr, dw_.ptr, dt_, LMLOSS_F32, stream_);
   }
   // (tokens, vocab) in the input dtype: the floor's logits, standing in for their gradient too.
+  // Filled by the forward product when first made: a product's power draw, and so the card's
+  // clocks under a long run of them, depend on the values it reads (never-written memory reads
+  // as zeros and times fast).
   void* full_logits() {
-    if (!z_.ptr) z_ = DeviceBuffer(n_ * v_ * type_size(dt_));
+    if (!z_.ptr) {
+      z_ = DeviceBuffer(n_ * v_ * type_size(dt_));
+      products_.run(n_, v_, h_, false, true, x_.ptr, w_.ptr, z_.ptr, dt_, dt_, stream_);
+    }
     return z_.ptr;
   }
 
@@ -575,7 +581,7 @@ class ModesBench {
   // forward product to f32 logits, dX, and dW accumulated in f32 (beta 1 after the first chunk).
   // Says what the chunk height alone costs, apart from the row kernels.
   void chunked_products(int64_t rows) {
-    DeviceBuffer z32(size_t(rows) * v_ * 4);
+    DeviceBuffer z32(size_t(rows) * v_ * 4), dx32(size_t(rows) * h_ * 4);
     const size_t es = type_size(dt_);
     auto each_chunk = [&](auto&& f) {
       for (int64_t r0 = 0; r0 < n_; r0 += rows) f(r0, std::min(rows, n_ - r0));
@@ -593,14 +599,23 @@ class ModesBench {
                       dt_, dt_, stream_);
       });
     });
+    const double dx_f32 = time([&] {
+      each_chunk([&](int64_t r0, int64_t m) {
+        products_.run(m, h_, v_, false, false, g + r0 * v_ * es, w_.ptr, dx32.ptr, dt_, LMLOSS_F32, stream_);
+      });
+    });
+    const double dx_full = time([&] {
+      products_.run(n_, h_, v_, false, false, g, w_.ptr, dx_.ptr, dt_, dt_, stream_);
+    });
     const double dw = time([&] {
       each_chunk([&](int64_t r0, int64_t m) {
         products_.run(v_, h_, m, true, false, g + r0 * v_ * es, x + r0 * h_ * es, dw_.ptr, dt_, LMLOSS_F32, stream_,
                       r0 > 0 ? 1.f : 0.f);
       });
     });
-    std::printf("products  chunk %5lld rows  forward->f32 %8.3f ms  dX %8.3f ms  dW(f32, beta 1) %8.3f ms  sum %8.3f ms\n",
-                (long long)rows, fwd, dx, dw, fwd + dx + dw);
+    std::printf("products  chunk %5lld rows  forward->f32 %8.3f ms  dX %8.3f ms  dW(f32, beta 1) %8.3f ms  sum %8.3f ms"
+                "  (dX into f32 %8.3f ms, dX at full height %8.3f ms)\n",
+                (long long)rows, fwd, dx, dw, fwd + dx + dw, dx_f32, dx_full);
     std::fflush(stdout);
   }
 
