@@ -607,6 +607,19 @@ class ModesBench {
     const double dx_full = time([&] {
       products_.run(n_, h_, v_, false, false, g, w_.ptr, dx_.ptr, dt_, dt_, stream_);
     });
+    // dX by as many vocabulary slices as there are chunks, each at full height into one f32 dX
+    // (beta 1 after the first): what a step that formed the gradient a slice of the vocabulary
+    // at a time would pay for dX. A slice's logits are the first n x slice values of the full
+    // logits read as a dense matrix.
+    const int64_t slices = (n_ + rows - 1) / rows, slice = (v_ + slices - 1) / slices;
+    DeviceBuffer dx_full32(size_t(n_) * h_ * 4);
+    const double dx_sliced = time([&] {
+      for (int64_t v0 = 0; v0 < v_; v0 += slice) {
+        const int64_t width = std::min(slice, v_ - v0);
+        products_.run(n_, h_, width, false, false, g, static_cast<const char*>(w_.ptr) + v0 * h_ * es,
+                      dx_full32.ptr, dt_, LMLOSS_F32, stream_, v0 > 0 ? 1.f : 0.f);
+      }
+    });
     const double dw = time([&] {
       each_chunk([&](int64_t r0, int64_t m) {
         products_.run(v_, h_, m, true, false, g + r0 * v_ * es, x + r0 * h_ * es, dw_.ptr, dt_, LMLOSS_F32, stream_,
@@ -614,8 +627,8 @@ class ModesBench {
       });
     });
     std::printf("products  chunk %5lld rows  forward->f32 %8.3f ms  dX %8.3f ms  dW(f32, beta 1) %8.3f ms  sum %8.3f ms"
-                "  (dX into f32 %8.3f ms, dX at full height %8.3f ms)\n",
-                (long long)rows, fwd, dx, dw, fwd + dx + dw, dx_f32, dx_full);
+                "  (dX into f32 %8.3f ms, dX at full height %8.3f ms, dX by %lld vocabulary slices into f32 %8.3f ms)\n",
+                (long long)rows, fwd, dx, dw, fwd + dx + dw, dx_f32, dx_full, (long long)slices, dx_sliced);
     std::fflush(stdout);
   }
 
