@@ -290,15 +290,22 @@ __device__ void select_top_in_place(uint64_t* keys, int n, int k, const SelectSc
 // 129, 256 keys instead of 512, measured slower with a select).
 constexpr int kSelectFromKeys = 4096;
 
+// Whether the k largest of `count` keys are had cheaper by sorting all of them than by selecting
+// first: fewer than kSelectFromKeys, or k's power of two no smaller than count's.
+__device__ bool sorts_all(int count, int64_t k) {
+  const int64_t count_pow2 = pow2_at_least(count);
+  return count_pow2 < kSelectFromKeys || pow2_at_least(k) >= count_pow2;
+}
+
 // The k largest of the composites keys[0, count) in shared memory, sorted descending, at the
-// returned address. Where count's power of two is at least kSelectFromKeys and above k's, and the
-// space after the keys holds k's, select_top narrows them to at most k's power of two behind the
-// keys and sorts those (a sort of 2048 keys for k 2048 instead of 4096: the sort was most of the
-// k 2048 rows kernel's time beyond its reads); else all count are sorted in place. The caller has
-// synchronised the keys.
+// returned address. Where selecting pays (not sorts_all) and the space after the keys holds k's
+// power of two, select_top narrows them to at most that many behind the keys and sorts those (a
+// sort of 2048 keys for k 2048 instead of 4096: the sort was most of the k 2048 rows kernel's
+// time beyond its reads); else all count are sorted in place. The caller has synchronised the
+// keys.
 __device__ const uint64_t* sort_top_k(uint64_t* keys, int count, int64_t k, int capacity, const SelectScratch& sh) {
-  const int k_pow2 = int(pow2_at_least(k)), count_pow2 = int(pow2_at_least(count));
-  if (count_pow2 < kSelectFromKeys || k_pow2 >= count_pow2 || count + k_pow2 > capacity) {
+  const int k_pow2 = int(pow2_at_least(k));
+  if (sorts_all(count, k) || count + k_pow2 > capacity) {
     sort_desc_padded(keys, count);
     return keys;
   }
@@ -706,8 +713,7 @@ __global__ void __launch_bounds__(kTopkRowsThreads, kKeptBlocksPerSM) topk_kept_
     const int n = a.kept_count[r];
     if (n <= kCapacity) {
       copy_list(keys, list, n);
-      const int n_pow2 = int(pow2_at_least(n));
-      if (n_pow2 < kSelectFromKeys || k_pow2 >= n_pow2) sort_desc_padded(keys, n);  // as sort_top_k
+      if (sorts_all(n, k)) sort_desc_padded(keys, n);
       else select_top_in_place(keys, n, k, select_scratch);
     } else {
       select_top(list, n, k, keys, k_pow2, select_scratch);
