@@ -363,7 +363,9 @@ class CudaBench final : public BenchBackend {
 
   BenchProblem p_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t side_stream_ = nullptr;  // the overlap probe's second stream
   Products products_;
+  Products side_products_;              // its own handle and workspace, for side_stream_
   L2Flush flush_;
   Ctx ctx_, naive_ctx_;
   DeviceBuffer x_, w_, labels_, ids_, probs_;
@@ -436,6 +438,7 @@ class ModesBench {
   ModesBench(int64_t n, int64_t h, int64_t v, lmloss_dtype dt, int repeats)
       : n_(n), h_(h), v_(v), dt_(dt), repeats_(repeats) {
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
+    cuda_check(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking), "stream");
     const size_t es = type_size(dt);
     x_ = DeviceBuffer(n * h * es);
     w_ = DeviceBuffer(v * h * es);
@@ -468,7 +471,10 @@ class ModesBench {
     topk_probs_ = DeviceBuffer(n * kTopkMax * 4);
     cuda_check(cudaDeviceSynchronize(), "inputs");
   }
-  ~ModesBench() { cudaStreamDestroy(stream_); }
+  ~ModesBench() {
+    cudaStreamDestroy(stream_);
+    cudaStreamDestroy(side_stream_);
+  }
   void tune_products(bool on) { tune_ = on; }
 
   // Median milliseconds of `repeats` runs of f, each after an L2 flush, timed by events. With
@@ -630,6 +636,48 @@ class ModesBench {
                 "  (dX into f32 %8.3f ms, dX at full height %8.3f ms, dX by %lld vocabulary slices into f32 %8.3f ms)\n",
                 (long long)rows, fwd, dx, dw, fwd + dx + dw, dx_f32, dx_full, (long long)slices, dx_sliced);
     std::fflush(stdout);
+
+    // Does a second product fill the SMs that a chunk's dX (under a wave at gemma2-2b) leaves
+    // idle? Each chunk's dX into f32 beside its dW, and beside the next chunk's forward product,
+    // on a second stream (its own cuBLASLt handle and workspace), against the same one after the
+    // other.
+    cudaEvent_t fork, join;
+    cuda_check(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), "event");
+    cuda_check(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), "event");
+    auto chunk_dx = [&](int64_t r0, int64_t m, cudaStream_t s) {
+      side_products_.run(m, h_, v_, false, false, g + r0 * v_ * es, w_.ptr, dx32.ptr, dt_, LMLOSS_F32, s);
+    };
+    auto chunk_dw = [&](int64_t r0, int64_t m) {
+      products_.run(v_, h_, m, true, false, g + r0 * v_ * es, x + r0 * h_ * es, dw_.ptr, dt_, LMLOSS_F32, stream_,
+                    r0 > 0 ? 1.f : 0.f);
+    };
+    auto next_forward = [&](int64_t r0, int64_t m) {
+      const int64_t next = r0 + m < n_ ? r0 + m : 0;
+      products_.run(std::min(rows, n_ - next), v_, h_, false, true, x + next * h_ * es, w_.ptr, z32.ptr, dt_,
+                    LMLOSS_F32, stream_);
+    };
+    auto beside = [&](int64_t r0, int64_t m, auto&& other) {
+      cuda_check(cudaEventRecord(fork, stream_), "fork");
+      cuda_check(cudaStreamWaitEvent(side_stream_, fork), "fork wait");
+      chunk_dx(r0, m, side_stream_);
+      other(r0, m);
+      cuda_check(cudaEventRecord(join, side_stream_), "join");
+      cuda_check(cudaStreamWaitEvent(stream_, join), "join wait");
+    };
+    const double dx_dw_serial = time([&] {
+      each_chunk([&](int64_t r0, int64_t m) { chunk_dx(r0, m, stream_); chunk_dw(r0, m); });
+    });
+    const double dx_dw_beside = time([&] { each_chunk([&](int64_t r0, int64_t m) { beside(r0, m, chunk_dw); }); });
+    const double dx_fwd_serial = time([&] {
+      each_chunk([&](int64_t r0, int64_t m) { chunk_dx(r0, m, stream_); next_forward(r0, m); });
+    });
+    const double dx_fwd_beside = time([&] { each_chunk([&](int64_t r0, int64_t m) { beside(r0, m, next_forward); }); });
+    cudaEventDestroy(fork);
+    cudaEventDestroy(join);
+    std::printf("overlap   chunk %5lld rows  dX(f32)+dW one after the other %8.3f ms, on two streams %8.3f ms;"
+                "  dX(f32)+next forward->f32 one after the other %8.3f ms, on two streams %8.3f ms\n",
+                (long long)rows, dx_dw_serial, dx_dw_beside, dx_fwd_serial, dx_fwd_beside);
+    std::fflush(stdout);
   }
 
   Row loss_mode(const std::string& mode, size_t budget, int floor_count) {
@@ -703,7 +751,9 @@ class ModesBench {
   lmloss_dtype dt_;
   int repeats_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t side_stream_ = nullptr;  // the overlap probe's second stream
   Products products_;
+  Products side_products_;              // its own handle and workspace, for side_stream_
   L2Flush flush_;
   DeviceBuffer x_, w_, labels_, ids_, probs_, dx_, dw_, loss_, topk_ids_, topk_probs_, z_;
   double last_floor_ms_ = 0;
