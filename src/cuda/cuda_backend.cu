@@ -20,7 +20,8 @@
 //   E (rows, vocab) bf16 = exp(S - shift), partials                        the product's epilogue
 //   row kernel: loss, lse, the sparse entries of E corrected, f (rows)     (far rows: G over E)
 //               and c (rows), dl/dz at the label less its softmax part
-//   dX_chunk = f * (E W) token_scale + c W[label], through f32
+//   dX_chunk = f * (E W) token_scale + c W[label], through f32       (with dW: on a second
+//               stream beside dW's product, joined before the next chunk)
 //   dW += E^T (f * X_chunk) token_scale, then += c X_chunk at the labels   (tokens ordered by
 //               label once per call, so each label's rows are summed in order: deterministic)
 // Teacher top-k through such a head (k up to
@@ -58,17 +59,65 @@ using core::row_stride;  // vectors here are contiguous: check_vector refuses st
 class CudaState : public core::BackendState {
  public:
   ~CudaState() override {
-    if (error_flag) {
-      int previous = 0;
-      cudaGetDevice(&previous);
-      cudaSetDevice(device);
-      cudaFree(error_flag);
-      cudaSetDevice(previous);
+    if (!error_flag && !side_stream) return;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device);
+    if (error_flag) cudaFree(error_flag);
+    if (side_stream) {
+      cudaEventDestroy(fork_event);
+      cudaEventDestroy(join_event);
+      cudaStreamDestroy(side_stream);
     }
+    cudaSetDevice(previous);
+  }
+  // A second stream for work that runs beside the call's own (see SideStream), with the events
+  // that fork onto it and join it back; made on first use, on the state's device.
+  lmloss_status side(cudaStream_t* out) {
+    if (!side_stream) {
+      LMLOSS_CUDA_TRY(cudaEventCreateWithFlags(&fork_event, cudaEventDisableTiming));
+      LMLOSS_CUDA_TRY(cudaEventCreateWithFlags(&join_event, cudaEventDisableTiming));
+      LMLOSS_CUDA_TRY(cudaStreamCreateWithFlags(&side_stream, cudaStreamNonBlocking));
+    }
+    *out = side_stream;
+    return LMLOSS_SUCCESS;
   }
   int device = -1;
   MatmulCache matmul;
   int* error_flag = nullptr;  // set by kernels that meet an id out of range
+  cudaStream_t side_stream = nullptr;
+  cudaEvent_t fork_event = nullptr, join_event = nullptr;
+};
+
+// Work enqueued on the state's side stream after everything already on `stream`, and joined back
+// into `stream` when this goes out of scope, on every path out (an early error return included):
+// the workspace is returned on `stream`, and the caller's next work must wait for the side's.
+class SideStream {
+ public:
+  SideStream(CudaState& state, cudaStream_t stream) : state_(state), stream_(stream) {}
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream() {
+    if (forked_) join();
+  }
+  lmloss_status fork(cudaStream_t* side) {
+    LMLOSS_CHECK(state_.side(side));
+    LMLOSS_CUDA_TRY(cudaEventRecord(state_.fork_event, stream_));
+    LMLOSS_CUDA_TRY(cudaStreamWaitEvent(*side, state_.fork_event, 0));
+    forked_ = true;
+    return LMLOSS_SUCCESS;
+  }
+  lmloss_status join() {
+    forked_ = false;
+    LMLOSS_CUDA_TRY(cudaEventRecord(state_.join_event, state_.side_stream));
+    LMLOSS_CUDA_TRY(cudaStreamWaitEvent(stream_, state_.join_event, 0));
+    return LMLOSS_SUCCESS;
+  }
+
+ private:
+  CudaState& state_;
+  cudaStream_t stream_;
+  bool forked_ = false;
 };
 
 // Makes `device` current for the scope of a call and restores the caller's device after.
@@ -273,8 +322,8 @@ MatmulShape logits_product(const Call& call, int64_t rows, int64_t logits_ld, si
 }
 
 enum LossPiece {
-  kLogitsChunk, kGradChunk, kPartials, kMatmulWs, kProductWs, kSparse, kLabelS, kExpShift, kRowScale,
-  kLabelGrad, kLabelOrder, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces
+  kLogitsChunk, kGradChunk, kPartials, kMatmulWs, kSideMatmulWs, kProductWs, kSparse, kLabelS, kExpShift,
+  kRowScale, kLabelGrad, kLabelOrder, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces
 };
 
 struct LossPlan {
@@ -289,6 +338,7 @@ struct LossPlan {
   bool row_stats_product = false; // linear: statistics from the product; the logits chunk, if
                                   // any, holds its shifted logits in the inputs' dtype
   bool exp_form = false;          // those in the exponential form (loss_rows.cuh)
+  bool dx_beside_dw = false;      // exp_form with dX and dW: a chunk's dX on the side stream
 };
 
 // Whether a fused step on the statistics product's path stores its logits in the exponential form,
@@ -297,6 +347,10 @@ struct LossPlan {
 bool takes_exp_form(const core::LossCall& call) {
   return call.input_dtype == LMLOSS_BF16 && call.options.label_smoothing == 0;
 }
+
+// Where the exponential form's scaled X starts in the staging after the f32 dX: cuBLASLt's
+// fastest kernels want their operands on 256 bytes.
+constexpr size_t kStagingAlign = 256;
 
 // A row's column-tile partials of the statistics product (max, sum exp, sum s; see
 // row_stats_product.cuh).
@@ -404,7 +458,16 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
       p.exp_form = true;
       pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = {0, sizeof(float), 16};
       if (orders_labels) pc[kLabelOrder] = {order_bytes, 0, 256};
-      pc[kPartials].per_row = std::max(pc[kPartials].per_row, sizeof(float) * size_t(call.hidden));
+      // With dX and dW both wanted, a chunk's dX runs beside its dW (run_loss), so the staging
+      // holds the f32 dX and the scaled X at once, and the side's product has its own workspace.
+      p.dx_beside_dw = call.grads.grad_hidden.data && call.grads.grad_weight.data;
+      const size_t staging_row = sizeof(float) * size_t(call.hidden) +
+                                 (p.dx_beside_dw ? core::dtype_size(call.input_dtype) * size_t(call.hidden) : 0);
+      pc[kPartials].per_row = std::max(pc[kPartials].per_row, staging_row);
+      if (p.dx_beside_dw) {
+        pc[kPartials].fixed = kStagingAlign;
+        pc[kSideMatmulWs] = pc[kMatmulWs];
+      }
     }
     row_limit = std::min(call.n_tokens, kProductDimLimit);
     pc[kProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
@@ -413,9 +476,9 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   if (p.exp_form && p.chunk_rows == 0) {
     // A budget too small for the exponential form's pieces (the label order takes 16 bytes a
     // token, the f32 dX 4 x hidden a row) may still hold the gradient pass's.
-    p.exp_form = false;
-    pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = pc[kLabelOrder] = {};
-    pc[kPartials].per_row = partials_row_bytes(call.vocab);
+    p.exp_form = p.dx_beside_dw = false;
+    pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = pc[kLabelOrder] = pc[kSideMatmulWs] = {};
+    pc[kPartials] = {0, partials_row_bytes(call.vocab), 256};
     p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
   }
   if (p.row_stats_product && grads_formed)
@@ -568,6 +631,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   float* bias = static_cast<float*>(piece(kBiasF32));
   float* bias_grad = static_cast<float*>(piece(kBiasGrad));
   void* matmul_ws = piece(kMatmulWs);
+  void* side_matmul_ws = piece(kSideMatmulWs);
   const size_t matmul_ws_bytes = plan.matmul_ws;
   float* sparse = static_cast<float*>(piece(kSparse));
   float* logits_chunk = static_cast<float*>(piece(kLogitsChunk));
@@ -578,7 +642,13 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   auto* row_scale = static_cast<float*>(piece(kRowScale));
   auto* label_grad = static_cast<float*>(piece(kLabelGrad));
   void* label_order = piece(kLabelOrder);
-  void* staging = partials;  // the exponential form's dX in f32, then its scaled X (see plan_loss)
+  // The exponential form's dX in f32 and its scaled X (see plan_loss): after one another in the
+  // same bytes, or side by side when dX runs beside dW.
+  void* staging = partials;
+  void* staging_x = plan.dx_beside_dw
+                        ? static_cast<char*>(staging) + Layout<1>::round_to(sizeof(float) * size_t(R * call.hidden),
+                                                                            kStagingAlign)
+                        : staging;
 
   PrepareArgs prep;
   prep.n_tokens = call.n_tokens;
@@ -731,6 +801,17 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       label_rows.row0 = row0;
       label_rows.vocab = call.vocab;
     }
+    // With dX and dW in the exponential form, the chunk's dX product and its rows' scaling run on
+    // the side stream beside its dW, whose tiles take the SMs that dX leaves idle (a chunk of
+    // gemma2-2b's dX is 117 output tiles on 132 SMs); joined before the next chunk's product
+    // writes over E and the staging.
+    SideStream side(r.state, r.stream);
+    cudaStream_t dx_stream = r.stream;
+    void* dx_matmul_ws = matmul_ws;
+    if (plan.dx_beside_dw) {
+      LMLOSS_CHECK(side.fork(&dx_stream));
+      dx_matmul_ws = side_matmul_ws;
+    }
     if (g.grad_hidden.data) {
       // dX_chunk: column-major (hidden, rows) = W^T (hidden, vocab) * G^T (vocab, rows).
       MatmulShape s;
@@ -749,9 +830,9 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         s.ldd = call.hidden;
         s.d_type = LMLOSS_F32;
         LMLOSS_CHECK(r.state.matmul.run(s, call.head.weight.data, grad, staging, &scalars->token_scale,
-                                        &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
+                                        &scalars->zero, dx_matmul_ws, dx_stream, r.context.tune_products));
         LMLOSS_CHECK(launch_scale_rows(staging, LMLOSS_F32, call.hidden, nullptr, row_scale, rows, call.hidden, d,
-                                       d_ld, g.grad_hidden.dtype, r.stream, label_rows, call.head.weight.data,
+                                       d_ld, g.grad_hidden.dtype, dx_stream, label_rows, call.head.weight.data,
                                        row_stride(call.head.weight)));
       } else {
         LMLOSS_CHECK(r.state.matmul.run(s, call.head.weight.data, grad, d, &scalars->inv_grad_scale,
@@ -781,8 +862,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       const float* alpha = &scalars->inv_grad_scale;
       if (plan.exp_form) {  // each row of X times its scale
         LMLOSS_CHECK(launch_scale_rows(x_chunk, call.input_dtype, x_ld, nullptr, row_scale, rows, call.hidden,
-                                       staging, call.hidden, call.input_dtype, r.stream));
-        x_rows = staging;
+                                       staging_x, call.hidden, call.input_dtype, r.stream));
+        x_rows = staging_x;
         s.lda = call.hidden;
         alpha = &scalars->token_scale;
       }
@@ -796,6 +877,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     if (bias_grad)
       LMLOSS_CHECK(launch_column_sum(grad, plan.grad_ld, gtype, rows, call.vocab, row0 > 0, scalars,
                                      bias_grad, r.stream));
+    if (plan.dx_beside_dw) LMLOSS_CHECK(side.join());
   }
 
   if (reduced_loss) LMLOSS_CHECK(launch_reduce_loss(token_loss, call.n_tokens, scalars,
