@@ -153,6 +153,29 @@ class Products {
     const auto it = plans_.find(std::make_tuple(m, n, k, a_t, b_t, int(ab), int(c_type)));
     return it == plans_.end() ? 0 : it->second.candidates.size();
   }
+  // The planned shape's i-th candidate forced to split K in `splits` parts, reduced by `scheme`
+  // (COMPUTE_TYPE: in f32 in the workspace, then a separate step; INPLACE: in the output, the
+  // parts in order by counters), if cuBLASLt accepts that configuration; its estimate of the
+  // waves goes to *waves. False when it does not run.
+  bool run_split(int64_t m, int64_t n, int64_t k, bool a_t, bool b_t, const void* a, const void* b, void* c,
+                 lmloss_dtype ab, lmloss_dtype c_type, cudaStream_t stream, size_t i, int32_t splits,
+                 uint32_t scheme, void* workspace, size_t workspace_bytes, float* waves) {
+    const Plan& p = plans_.at(std::make_tuple(m, n, k, a_t, b_t, int(ab), int(c_type)));
+    if (i >= p.candidates.size()) return false;
+    cublasLtMatmulAlgo_t algo = p.candidates[i];
+    if (splits == 1) scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
+    if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits)) ||
+        cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof(scheme)))
+      return false;
+    cublasLtMatmulHeuristicResult_t result{};
+    if (cublasLtMatmulAlgoCheck(handle_, p.desc, p.a, p.b, p.c, p.c, &algo, &result) != CUBLAS_STATUS_SUCCESS ||
+        result.workspaceSize > workspace_bytes)
+      return false;
+    *waves = result.wavesCount;
+    const float alpha = 1.f, beta = 0.f;
+    return cublasLtMatmul(handle_, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &algo, workspace,
+                          workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+  }
   // Later runs use the heuristic's i-th algorithm (-1: its first, the default).
   void use_candidate(int i) { candidate_ = i; }
   // The i-th candidate's configuration: algorithm id, tile, stages, split-K, reduction scheme,
@@ -680,6 +703,38 @@ class ModesBench {
     std::fflush(stdout);
   }
 
+  // The chunked dX product into f32 (chunks of `rows`, summed over all tokens) with the
+  // heuristic's first algorithms forced to split K: can more, shorter tiles fill the SMs that a
+  // chunk under a wave leaves idle (117 output tiles on 132 SMs at gemma2-2b)?
+  void splitk_probe(int64_t rows) {
+    const size_t es = type_size(dt_);
+    const char* g = static_cast<const char*>(full_logits());
+    DeviceBuffer dx32(size_t(rows) * h_ * 4);
+    const size_t ws_bytes = size_t(512) << 20;
+    DeviceBuffer ws(ws_bytes);
+    for (int64_t r0 = 0; r0 < n_; r0 += rows)  // plans each chunk height
+      products_.run(std::min(rows, n_ - r0), h_, v_, false, false, g, w_.ptr, dx32.ptr, dt_, LMLOSS_F32, stream_);
+    const size_t count = std::min<size_t>(4, products_.candidates(rows, h_, v_, false, false, dt_, LMLOSS_F32));
+    for (size_t i = 0; i < count; ++i)
+      for (const uint32_t scheme : {CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE, CUBLASLT_REDUCTION_SCHEME_INPLACE})
+        for (int32_t splits : {1, 2, 3, 4, 5, 6, 8, 9, 12, 16}) {
+          if (splits == 1 && scheme != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) continue;
+          bool ran = true;
+          float waves = 0;
+          const double ms = time([&] {
+            for (int64_t r0 = 0; r0 < n_ && ran; r0 += rows)
+              ran = products_.run_split(std::min(rows, n_ - r0), h_, v_, false, false, g + r0 * v_ * es, w_.ptr,
+                                        dx32.ptr, dt_, LMLOSS_F32, stream_, i, splits, scheme, ws.ptr, ws_bytes,
+                                        &waves);
+          });
+          if (!ran) continue;
+          std::printf("splitk    chunk %5lld rows  #%zu splits %2d  red %u  dX into f32 %8.3f ms  waves %.2f  %s\n",
+                      (long long)rows, i, splits, scheme, ms, waves,
+                      products_.candidate_config(rows, h_, v_, false, false, dt_, LMLOSS_F32, i).c_str());
+          std::fflush(stdout);
+        }
+  }
+
   Row loss_mode(const std::string& mode, size_t budget, int floor_count) {
     Ctx ctx;
     ctx.set_stream(stream_);
@@ -776,7 +831,7 @@ std::vector<std::string> split(const std::string& s) {
 int run(int argc, char** argv) {
   std::string preset = "llama3-8b", modes = "fwd_bwd,dx_only,forward,topk64,topk2048,distill64", budgets = "",
               json_path = "", dtype = "bf16", chunks = "", survey = "",
-              survey_only = "";
+              survey_only = "", splitk = "";
   int64_t tokens = 0;
   int repeats = 10;
   bool with_floor = true, tune = false;
@@ -794,6 +849,7 @@ int run(int argc, char** argv) {
     else if (key == "--survey-rows") survey = value;
     else if (key == "--survey-only") survey_only = value;
     else if (key == "--tune") tune = value != "0";
+    else if (key == "--splitk-rows") splitk = value;
     else throw std::invalid_argument("unknown option " + key);
   }
   const Preset* p = nullptr;
@@ -818,6 +874,7 @@ int run(int argc, char** argv) {
   std::vector<Row> rows;
   for (const std::string& c : split(chunks)) bench.chunked_products(std::stoll(c));
   for (const std::string& r : split(survey)) bench.survey_algorithms(std::stoll(r), survey_only);
+  for (const std::string& r : split(splitk)) bench.splitk_probe(std::stoll(r));
   auto report = [&](Row r) {
     if (!with_floor) r.floor_ms = 1.0;
     rows.push_back(r);
