@@ -33,7 +33,9 @@ def main(modes_path, peers_path, out_path, preset="llama3-8b"):
         ax.annotate(f"{r['budget_gib']:g}", (r["peak_gib"], r["ms"] / r["floor_ms"]), textcoords="offset points",
                     xytext=(4, 4), fontsize=7, color="C0")
     markers = {"naive": "s", "torch.compile": "D", "liger": "^", "cce": "v", "cce-exact": "x"}
-    for i, r in enumerate(p for p in peers["rows"] if p["preset"] == preset and p["mode"] == "fwd_bwd"):
+    # Timed rows only: with --accuracy, peers.py adds rows of errors alone.
+    timed = (p for p in peers["rows"] if p["preset"] == preset and p["mode"] == "fwd_bwd" and "ms" in p)
+    for i, r in enumerate(timed):
         extra = max(r["peak_gib"] - GRADS_GIB[preset], 0.01)
         ax.plot([extra], [r["ms"] / r["floor_ms"]], markers.get(r["method"], "o"), color=f"C{i + 1}",
                 label=f"{NAMES.get(r['method'], r['method'])} ({r['ms']:.1f} ms)")
