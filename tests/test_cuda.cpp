@@ -70,6 +70,9 @@ lmloss_loss_options options_named(const std::string& name) {
     o.label_smoothing = 0.1;
     o.z_loss = 1e-3;
     o.temperature = 1.7;
+  } else if (name == "zloss_temperature") {  // what the exponential form takes
+    o.z_loss = 1e-3;
+    o.temperature = 1.7;
   } else if (name == "distill_mixed") {
     o.ce_weight = 0.5;
     o.kd_weight = 0.7;
@@ -298,6 +301,38 @@ TEST_F(Cuda, FusedStepWithFarLabelsMatchesReference) {
         lmloss::Context ctx;
         if (chunked) ctx.set_workspace_budget(budget_for_rows(n_tokens / 3, vocab));
         ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
+      }
+    }
+  }
+}
+
+// A frozen head (dX only) in the exponential form. With a budget of many token chunks the
+// statistics product and the dX product run over slices of the vocabulary at full height
+// instead (run_sliced_dx: five slices here); with the default budget, one chunk. Logits spread
+// wide enough (scale 60) that many rows have tiles stored relative to their own maxima, added
+// exactly afterwards from the head; options that scale the rows, per-token upstream gradients,
+// ignored labels and masked tokens. Against the reference, and bitwise on a rerun.
+TEST_F(Cuda, FrozenHeadByVocabularySlicesMatchesReference) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4019);
+  for (const double logit_scale : {2.0, 60.0}) {
+    for (const char* name : {"plain", "none", "normalizer", "zloss_temperature"}) {
+      for (const bool sliced : {false, true}) {
+        const int64_t n_tokens = 300, vocab = 20011, hidden = 64;
+        SCOPED_TRACE(std::string(name) + " logit scale " + std::to_string(logit_scale) + (sliced ? " sliced" : ""));
+        ProblemSpec spec{.n_tokens = n_tokens, .vocab = vocab, .hidden = hidden, .mask = true,
+                         .logit_scale = logit_scale};
+        const lmloss_loss_options o = options_named(name);
+        LossSetup s = setup(LMLOSS_BF16, LMLOSS_BF16);
+        s.want_grad_weight = false;
+        s.want_grad_bias = false;
+        if (o.reduction == LMLOSS_REDUCTION_NONE) s.upstream = gen.normal(n_tokens);
+        LossCase c(gen.problem(spec), o, s);
+        lmloss::Context ctx;
+        if (sliced) ctx.set_workspace_budget(budget_for_rows(n_tokens / 10, vocab));
+        ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
+        EXPECT_LE(ctx.peak_workspace(), ctx.workspace_budget());
       }
     }
   }

@@ -24,6 +24,8 @@
 //               stream beside dW's product, joined before the next chunk)
 //   dW += E^T (f * X_chunk) token_scale, then += c X_chunk at the labels   (tokens ordered by
 //               label once per call, so each label's rows are summed in order: deterministic)
+// A frozen head (dX only) in the exponential form that would take kSlicedMinChunks or more token
+// chunks takes slices of the vocabulary instead, each at full height (run_sliced_dx).
 // Teacher top-k through such a head (k up to
 // kTopkFromProductMaxK) has the product keep each tile's largest logits and selects from those;
 // for larger k, every logit above a bar each row takes from a sample of its logits (topk.cuh).
@@ -326,6 +328,34 @@ enum LossPiece {
   kRowScale, kLabelGrad, kLabelOrder, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces
 };
 
+// The vocabulary-sliced dX of a frozen head (run_sliced_dx): dX only, in the exponential form,
+// with labels and no teacher. Instead of token chunks, the statistics product runs at full height
+// over one slice of the vocabulary at a time and dX accumulates E_slice W_slice in f32, so that
+// the dX product runs at full height too: a 1664-row chunk of gemma2-2b's dX is 117 output tiles
+// on an H200's 132 SMs, so five chunks took five waves' time where one full-height product
+// takes four (measured: gemma2-2b's dX only 30.7-30.9 -> 28.8-29.4 ms). The rows' statistics are
+// merged slice by slice (launch_fold_slice), their scales applied once at the end, and the rare
+// tiles a row could not store relative to its shift added exactly from the head
+// (launch_add_flagged_tiles). Taken where token chunks would be at least kSlicedMinChunks: at
+// llama3-8b's three the slices measured level with the chunks.
+enum SlicedPiece {
+  kSlicedStored, kSlicedPartials, kSlicedFolded, kSlicedFlags, kSlicedStaging, kSlicedMatmulWs, kSlicedProductWs,
+  kSlicedShift, kSlicedRowScale, kSlicedLabelGrad, kSlicedRowCoef, kSlicedRowLse, kSlicedSparse, kSlicedScalars,
+  kSlicedTokenLoss, kSlicedPieces
+};
+// Slices are whole 32-tile words of the flags (FoldSliceArgs): the layout counts in such steps.
+constexpr int64_t kSliceStep = 32 * kRowStatsTileColumns;
+constexpr int64_t kSlicedMinChunks = 4;
+
+struct SlicedPlan {
+  Layout<kSlicedPieces> layout;  // "rows" are steps of kSliceStep columns of a slice
+  int64_t steps = 0;             // a slice's columns / kSliceStep (the last slice may be shorter)
+  int64_t slices = 0;
+  int64_t flags_ld = 0;          // 32-bit words of a row's flags: one bit a column tile
+  size_t matmul_ws = 0;
+  int64_t columns() const { return steps * kSliceStep; }
+};
+
 struct LossPlan {
   Layout<kLossPieces> layout;
   int64_t chunk_rows = 0;         // rows of a chunk: the backward products' height
@@ -339,6 +369,7 @@ struct LossPlan {
                                   // any, holds its shifted logits in the inputs' dtype
   bool exp_form = false;          // those in the exponential form (loss_rows.cuh)
   bool dx_beside_dw = false;      // exp_form with dX and dW: a chunk's dX on the side stream
+  std::optional<SlicedPlan> sliced;  // dX by slices of the vocabulary instead of token chunks
 };
 
 // Whether a fused step on the statistics product's path stores its logits in the exponential form,
@@ -407,6 +438,36 @@ std::optional<LossPlan> plan_separate_grad(const lmloss_context& context, const 
     return p;
   }
   return std::nullopt;
+}
+
+// The vocabulary-sliced dX's plan (see SlicedPlan): the widest slices that fit the budget, evened
+// out; none where not even one step of columns fits or one slice would hold the whole vocabulary.
+std::optional<SlicedPlan> plan_sliced_dx(const lmloss_context& context, const core::LossCall& call) {
+  SlicedPlan p;
+  const size_t n = size_t(call.n_tokens), hidden = size_t(call.hidden);
+  const int64_t total_tiles = row_stats_tiles(call.vocab);
+  const int64_t max_slices = (call.vocab + kSliceStep - 1) / kSliceStep;
+  p.flags_ld = (total_tiles + 31) / 32;
+  p.matmul_ws = matmul_workspace(context.workspace_budget);
+  Piece* pc = p.layout.pieces;
+  pc[kSlicedStored] = {0, n * kSliceStep * 2, 256};
+  pc[kSlicedPartials] = {0, n * sizeof(float4) * (kSliceStep / kRowStatsTileColumns), 256};
+  pc[kSlicedFolded] = {n * sizeof(float4) * size_t(max_slices), 0, 256};
+  pc[kSlicedFlags] = {n * sizeof(uint32_t) * size_t(p.flags_ld), 0, 256};
+  pc[kSlicedStaging] = {n * sizeof(float) * hidden, 0, 256};
+  pc[kSlicedMatmulWs] = {p.matmul_ws, 0, 256};
+  pc[kSlicedProductWs] = {row_stats_product_workspace(row_stats_args(call, call.n_tokens)), 0, 256};
+  for (int i : {kSlicedShift, kSlicedRowScale, kSlicedLabelGrad, kSlicedRowCoef, kSlicedRowLse, kSlicedSparse})
+    pc[i] = {n * sizeof(float), 0, 16};
+  pc[kSlicedScalars] = {sizeof(CallScalars), 0, 16};
+  if (call.wants_loss() && call.loss.data && call.options.reduction != LMLOSS_REDUCTION_NONE)
+    pc[kSlicedTokenLoss] = {n * sizeof(float), 0, 16};
+  int64_t steps = 0;
+  while (steps < max_slices && p.layout.total(steps + 1) <= context.workspace_budget) ++steps;
+  if (steps == 0 || steps >= max_slices) return std::nullopt;
+  p.slices = (max_slices + steps - 1) / steps;
+  p.steps = (max_slices + p.slices - 1) / p.slices;
+  return p;
 }
 
 LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
@@ -483,6 +544,10 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   }
   if (p.row_stats_product && grads_formed)
     p.chunk_rows = p.logits_rows = evened_chunk_rows(call.n_tokens, p.chunk_rows);
+  const lmloss_grads& g = call.grads;
+  if (p.exp_form && g.grad_hidden.data && !g.grad_weight.data && !g.grad_bias.data && !g.grad_logits.data &&
+      call.targets.labels.data && !call.has_teacher() && chunk_count(call.n_tokens, p.chunk_rows) >= kSlicedMinChunks)
+    p.sliced = plan_sliced_dx(context, call);
   if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32 && !p.row_stats_product)
     if (std::optional<LossPlan> split = plan_separate_grad(context, call, p)) return *split;
   return p;
@@ -611,6 +676,51 @@ LossRowsArgs row_args_common(const core::LossCall& call) {
   return a;
 }
 
+// The call's scalars (see PrepareArgs), written to `scalars` on the device.
+PrepareArgs prepare_args(const core::LossCall& call, CallScalars* scalars, bool f16_products) {
+  const auto& o = call.options;
+  PrepareArgs prep;
+  prep.n_tokens = call.n_tokens;
+  prep.labels = call.targets.labels.data;
+  prep.labels_dtype = call.targets.labels.dtype;
+  prep.ignore_index = o.ignore_index;
+  prep.mask = static_cast<const uint8_t*>(call.targets.token_mask.data);
+  prep.grad_loss = call.wants_grads() ? static_cast<const float*>(call.grad_loss.data) : nullptr;
+  prep.reduction = o.reduction;
+  prep.normalizer = o.normalizer;
+  prep.scale_gradient = f16_products;
+  prep.max_row_factor = static_cast<float>(std::fabs(o.ce_weight) + std::fabs(o.kd_weight) + 1.0);
+  prep.scalars = scalars;
+  return prep;
+}
+
+// The exponential form's shifts of `rows` tokens from row0 (see ExpShiftArgs).
+ExpShiftArgs exp_shift_args(const core::LossCall& call, int64_t row0, int64_t rows, float* shift) {
+  ExpShiftArgs e;
+  e.hidden_ld = row_stride(call.head.hidden);
+  e.hidden = static_cast<const char*>(call.head.hidden.data) + row0 * e.hidden_ld * int64_t(core::dtype_size(call.input_dtype));
+  e.weight = call.head.weight.data;
+  e.weight_ld = row_stride(call.head.weight);
+  e.rows = rows;
+  e.vocab = call.vocab;
+  e.hidden_size = call.hidden;
+  e.row0 = row0;
+  e.inv_temperature = float(1.0 / call.options.temperature);
+  e.labels = call.targets.labels.data;
+  e.labels_dtype = call.targets.labels.dtype;
+  e.ignore_index = call.options.ignore_index;
+  e.mask = static_cast<const uint8_t*>(call.targets.token_mask.data);
+  if (call.has_teacher()) {
+    e.teacher_ids = call.targets.teacher_ids.data;
+    e.teacher_ids_dtype = call.targets.teacher_ids.dtype;
+    e.teacher_ids_ld = row_stride(call.targets.teacher_ids);
+  }
+  e.shift = shift;
+  return e;
+}
+
+lmloss_status run_sliced_dx(LossRun& r, const SlicedPlan& plan);
+
 lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   const core::LossCall& call = r.call;
   const auto& o = call.options;
@@ -619,6 +729,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   const bool reduced_loss = loss_wanted && o.reduction != LMLOSS_REDUCTION_NONE;
   const bool f16_products = call.linear && grads && call.input_dtype == LMLOSS_F16;
   if (call.mode == core::Mode::backward && !grads) return LMLOSS_SUCCESS;
+  if (plan.sliced) return run_sliced_dx(r, *plan.sliced);
 
   const int64_t R = plan.chunk_rows;
   Workspace ws(r.context, r.state.device, r.stream);
@@ -650,18 +761,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
                                                                             kStagingAlign)
                         : staging;
 
-  PrepareArgs prep;
-  prep.n_tokens = call.n_tokens;
-  prep.labels = call.targets.labels.data;
-  prep.labels_dtype = call.targets.labels.dtype;
-  prep.ignore_index = o.ignore_index;
-  prep.mask = static_cast<const uint8_t*>(call.targets.token_mask.data);
-  prep.grad_loss = call.wants_grads() ? static_cast<const float*>(call.grad_loss.data) : nullptr;
-  prep.reduction = o.reduction;
-  prep.normalizer = o.normalizer;
-  prep.scale_gradient = f16_products;
-  prep.max_row_factor = static_cast<float>(std::fabs(o.ce_weight) + std::fabs(o.kd_weight) + 1.0);
-  prep.scalars = scalars;
+  const PrepareArgs prep = prepare_args(call, scalars, f16_products);
   LMLOSS_CHECK(launch_prepare(prep, r.stream));
   if (bias) LMLOSS_CHECK(launch_to_f32(call.head.bias.data, call.head.bias.dtype, call.vocab, bias, r.stream));
   if (label_order)
@@ -743,25 +843,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         product.shifted_ld = plan.logits_ld;
       }
       if (plan.exp_form) {
-        ExpShiftArgs e;
-        e.hidden = x_chunk;
-        e.hidden_ld = x_ld;
-        e.weight = call.head.weight.data;
-        e.weight_ld = row_stride(call.head.weight);
-        e.rows = rows;
-        e.vocab = call.vocab;
-        e.hidden_size = call.hidden;
-        e.row0 = row0;
-        e.inv_temperature = product.inv_temperature;
-        e.labels = call.targets.labels.data;
-        e.labels_dtype = call.targets.labels.dtype;
-        e.ignore_index = o.ignore_index;
-        e.mask = static_cast<const uint8_t*>(call.targets.token_mask.data);
-        e.teacher_ids = a.teacher_ids;
-        e.teacher_ids_dtype = a.teacher_ids_dtype;
-        e.teacher_ids_ld = a.teacher_ids_ld;
-        e.shift = exp_shift;
-        LMLOSS_CHECK(launch_exp_shift(e, r.stream));
+        LMLOSS_CHECK(launch_exp_shift(exp_shift_args(call, row0, rows, exp_shift), r.stream));
         product.exp_shift = exp_shift;
       }
       LMLOSS_CHECK(run_row_stats_product(product, piece(kProductWs), r.stream));
@@ -885,6 +967,131 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   if (bias_grad)
     LMLOSS_CHECK(launch_store_vector(bias_grad, call.vocab, accumulate_b, g.grad_bias.data,
                                      g.grad_bias.dtype, r.stream));
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status run_sliced_dx(LossRun& r, const SlicedPlan& plan) {
+  const core::LossCall& call = r.call;
+  const int64_t n = call.n_tokens, vocab = call.vocab, hidden = call.hidden;
+  const int64_t steps = plan.steps;
+  Workspace ws(r.context, r.state.device, r.stream);
+  LMLOSS_CHECK(ws.acquire(plan.layout.total(steps)));
+  auto piece = [&](int i) -> void* {
+    return plan.layout.pieces[i].bytes(steps) ? ws.at<void>(plan.layout.offset(i, steps)) : nullptr;
+  };
+  void* stored = piece(kSlicedStored);
+  auto* partials = static_cast<float4*>(piece(kSlicedPartials));
+  auto* folded = static_cast<float4*>(piece(kSlicedFolded));
+  auto* flags = static_cast<uint32_t*>(piece(kSlicedFlags));
+  auto* staging = static_cast<float*>(piece(kSlicedStaging));
+  void* matmul_ws = piece(kSlicedMatmulWs);
+  auto* shift = static_cast<float*>(piece(kSlicedShift));
+  auto* row_scale = static_cast<float*>(piece(kSlicedRowScale));
+  auto* label_grad = static_cast<float*>(piece(kSlicedLabelGrad));
+  auto* scalars = static_cast<CallScalars*>(piece(kSlicedScalars));
+  auto* token_loss = static_cast<float*>(piece(kSlicedTokenLoss));
+  const bool loss_wanted = call.wants_loss() && call.loss.data;
+  if (!token_loss && loss_wanted) token_loss = static_cast<float*>(call.loss.data);  // reduction none
+
+  LMLOSS_CHECK(launch_prepare(prepare_args(call, scalars, false), r.stream));
+  LMLOSS_CHECK(launch_exp_shift(exp_shift_args(call, 0, n, shift), r.stream));
+  const int64_t columns = plan.columns();
+  const int64_t w_ld = row_stride(call.head.weight);
+  const char* w = static_cast<const char*>(call.head.weight.data);
+  for (int64_t slice = 0; slice < plan.slices; ++slice) {
+    const int64_t v0 = slice * columns, width = std::min(columns, vocab - v0);
+    RowStatsProductArgs product = row_stats_args(call, n);
+    product.weight = w + v0 * w_ld * 2;
+    product.vocab = width;
+    product.labels = nullptr;  // s at the label is the shift (exp_shift_kernel's dot product)
+    product.partial = partials;
+    product.partial_ld = columns / kRowStatsTileColumns;
+    product.shifted = stored;
+    product.shifted_ld = columns;
+    product.exp_shift = shift;
+    LMLOSS_CHECK(run_row_stats_product(product, piece(kSlicedProductWs), r.stream));
+    FoldSliceArgs f;
+    f.partial = partials;
+    f.partial_ld = product.partial_ld;
+    f.tiles = row_stats_tiles(width);
+    f.rows = n;
+    f.shift = shift;
+    f.stored = stored;
+    f.stored_ld = columns;
+    f.columns = width;
+    f.folded = folded;
+    f.folded_ld = plan.slices;
+    f.slice = slice;
+    f.flags = flags;
+    f.flags_ld = plan.flags_ld;
+    f.first_word = v0 / kSliceStep;
+    LMLOSS_CHECK(launch_fold_slice(f, r.stream));
+    // dX (f32): column-major (hidden, n) += W_slice^T (hidden, width) * E^T (width, n).
+    MatmulShape s;
+    s.m = hidden;
+    s.n = n;
+    s.k = width;
+    s.lda = w_ld;
+    s.ldb = columns;
+    s.ldd = hidden;
+    s.ab_type = LMLOSS_BF16;
+    s.d_type = LMLOSS_F32;
+    s.workspace_bytes = plan.matmul_ws;
+    LMLOSS_CHECK(r.state.matmul.run(s, w + v0 * w_ld * 2, stored, staging, &scalars->token_scale,
+                                    slice > 0 ? &scalars->one : &scalars->zero, matmul_ws, r.stream,
+                                    r.context.tune_products));
+  }
+
+  LossRowsArgs a = row_args_common(call);
+  a.work = RowWork::stats_and_grad_from_partials;
+  a.scales_only = true;
+  a.logits_dtype = a.grad_dtype = LMLOSS_BF16;  // the exponential form's kernel; nothing read or written
+  a.partial = folded;
+  a.partial_ld = a.partial_tiles = plan.slices;
+  a.label_s = shift;
+  a.exp_shift = shift;
+  a.row_scale = row_scale;
+  a.label_grad = label_grad;
+  a.row_coef = static_cast<float*>(piece(kSlicedRowCoef));
+  a.row_lse = static_cast<float*>(piece(kSlicedRowLse));
+  a.token_loss = loss_wanted ? token_loss : nullptr;
+  a.lse_out = static_cast<float*>(call.lse.data);
+  a.grad_loss = static_cast<const float*>(call.grad_loss.data);
+  a.scalars = scalars;
+  a.error_flag = r.state.error_flag;
+  a.sparse_s = static_cast<float*>(piece(kSlicedSparse));
+  a.rows = n;
+  LMLOSS_CHECK(launch_loss_rows(a, r.stream));
+
+  // dX = row_scale * staging + the flagged tiles' terms, all in f32; then + the label's one-hot
+  // term, rounded once into dX's dtype.
+  LMLOSS_CHECK(launch_scale_rows(staging, LMLOSS_F32, hidden, nullptr, row_scale, n, hidden, staging, hidden,
+                                 LMLOSS_F32, r.stream));
+  FlaggedTilesArgs fx;
+  fx.hidden = call.head.hidden.data;
+  fx.hidden_ld = row_stride(call.head.hidden);
+  fx.weight = call.head.weight.data;
+  fx.weight_ld = w_ld;
+  fx.rows = n;
+  fx.vocab = vocab;
+  fx.hidden_size = hidden;
+  fx.inv_temperature = float(1.0 / call.options.temperature);
+  fx.flags = flags;
+  fx.flags_ld = plan.flags_ld;
+  fx.row_coef = a.row_coef;
+  fx.row_lse = a.row_lse;
+  fx.dx = staging;
+  LMLOSS_CHECK(launch_add_flagged_tiles(fx, r.stream));
+  LabelRows label_rows;
+  label_rows.coef = label_grad;
+  label_rows.labels = call.targets.labels.data;
+  label_rows.labels_dtype = call.targets.labels.dtype;
+  label_rows.vocab = vocab;
+  const lmloss_tensor& dx = call.grads.grad_hidden;
+  LMLOSS_CHECK(launch_scale_rows(staging, LMLOSS_F32, hidden, nullptr, nullptr, n, hidden, dx.data, row_stride(dx),
+                                 dx.dtype, r.stream, label_rows, w, w_ld));
+  if (piece(kSlicedTokenLoss))
+    LMLOSS_CHECK(launch_reduce_loss(token_loss, n, scalars, static_cast<float*>(call.loss.data), r.stream));
   return LMLOSS_SUCCESS;
 }
 

@@ -202,9 +202,10 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
         if (a.lse_out) a.lse_out[t] = NAN;
         if (a.row_scale) a.row_scale[r] = 0.f;
         if (a.label_grad) a.label_grad[r] = 0.f;
+        if (a.row_coef) a.row_coef[r] = 0.f;
         *a.error_flag = 1;
       }
-      if (wants_grad) write_row(z, dz, V, [](int64_t, float) { return 0.f; });
+      if (wants_grad && !a.scales_only) write_row(z, dz, V, [](int64_t, float) { return 0.f; });
       __syncthreads();
       continue;
     }
@@ -288,6 +289,16 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     // either way the label's one-hot term goes to label_grad, not into the stored row.
     bool kept = false;
     float unscale = 1.f;
+    if (exp_form && a.scales_only) {  // every row as if kept; its far tiles come later
+      if (threadIdx.x == 0) {
+        a.row_scale[r] = g == 0.f ? 0.f : p_coef * expf(shift - lse) * scale.derivative(0.f) / a.scalars->token_scale;
+        a.label_grad[r] = label_entry ? weights.label_correction(g) * scale.derivative(0.f) : 0.f;
+        a.row_coef[r] = g == 0.f ? 0.f : p_coef * scale.derivative(0.f);
+        a.row_lse[r] = lse;
+      }
+      __syncthreads();
+      continue;
+    }
     if (exp_form) {
       kept = g == 0.f || (fabsf(lse - shift) <= kExpFormRange && p_coef != 0.f);
       if (threadIdx.x == 0) {
@@ -559,6 +570,77 @@ __global__ void __launch_bounds__(32 * kShiftRowsPerBlock) exp_shift_kernel(cons
   if (lane == 0) a.shift[r] = dot * a.inv_temperature;
 }
 
+// One warp per row (see FoldSliceArgs): each lane takes whole 32-tile words of the slice.
+constexpr int kFoldRowsPerBlock = 8;
+__global__ void __launch_bounds__(32 * kFoldRowsPerBlock) fold_slice_kernel(const FoldSliceArgs a) {
+  const int64_t r = blockIdx.x * int64_t(kFoldRowsPerBlock) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= a.rows) return;
+  const float shift = a.shift[r];
+  const float4* partial = a.partial + r * a.partial_ld;
+  auto* stored = static_cast<__nv_bfloat16*>(a.stored) + r * a.stored_ld;
+  MaxSum acc{-INFINITY, 0.f};
+  float sum_s = 0.f;
+  const int64_t words = (a.tiles + 31) / 32;
+  for (int64_t w = lane; w < words; w += 32) {
+    uint32_t bits = 0;
+    for (int b = 0; b < 32; ++b) {
+      const int64_t t = w * 32 + b;
+      if (t >= a.tiles) break;
+      const float4 p = partial[t];
+      acc = merge(acc, MaxSum{p.x, p.y});
+      sum_s += p.z;
+      // The product stored this tile relative to max(shift, p.x - margin) (its epilogue's
+      // reference, the same operations): anything but the shift cannot go into this dX.
+      if (shift != -INFINITY && p.x - kExpFormMargin > shift) {
+        bits |= 1u << b;
+        const int64_t end = min((t + 1) * kRowStatsTileColumns, a.columns);
+        for (int64_t j = t * kRowStatsTileColumns; j < end; ++j) stored[j] = __float2bfloat16(0.f);
+      }
+    }
+    a.flags[r * a.flags_ld + a.first_word + w] = bits;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    acc = merge(acc, MaxSum{__shfl_xor_sync(0xffffffffu, acc.max, offset), __shfl_xor_sync(0xffffffffu, acc.sum, offset)});
+    sum_s += __shfl_xor_sync(0xffffffffu, sum_s, offset);
+  }
+  // The butterfly's lanes may differ in the last bit (see block_reduce_maxsum): lane 0's counts.
+  if (lane == 0) a.folded[r * a.folded_ld + a.slice] = make_float4(acc.max, acc.sum, sum_s, 0.f);
+}
+
+// One block per row with a coefficient; its flagged tiles in order (see FlaggedTilesArgs).
+constexpr int kFlaggedThreads = 256;
+__global__ void __launch_bounds__(kFlaggedThreads) add_flagged_tiles_kernel(const FlaggedTilesArgs a) {
+  __shared__ float p[kRowStatsTileColumns];
+  const int warp = threadIdx.x / 32, warps = kFlaggedThreads / 32;
+  const auto* weight = static_cast<const __nv_bfloat16*>(a.weight);
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const float coef = a.row_coef[r];
+    if (coef == 0.f) continue;
+    const float lse = a.row_lse[r];
+    const auto* x = static_cast<const __nv_bfloat16*>(a.hidden) + r * a.hidden_ld;
+    float* dx = a.dx + r * a.hidden_size;
+    for (int64_t w = 0; w < a.flags_ld; ++w) {
+      for (uint32_t bits = a.flags[r * a.flags_ld + w]; bits != 0; bits &= bits - 1) {
+        const int64_t j0 = (w * 32 + __ffs(bits) - 1) * kRowStatsTileColumns;
+        const int n = int(min(kRowStatsTileColumns, a.vocab - j0));
+        for (int c = warp; c < n; c += warps) {
+          const float dot = warp_dot(x, weight + (j0 + c) * a.weight_ld, a.hidden_size);
+          if ((threadIdx.x & 31) == 0) p[c] = coef * expf(dot * a.inv_temperature - lse);
+        }
+        __syncthreads();
+        for (int64_t h = threadIdx.x; h < a.hidden_size; h += kFlaggedThreads) {
+          float sum = dx[h];
+          for (int c = 0; c < n; ++c) sum = fmaf(p[c], __bfloat162float(weight[(j0 + c) * a.weight_ld + h]), sum);
+          dx[h] = sum;
+        }
+        __syncthreads();  // p is written again for the next tile
+      }
+    }
+  }
+}
+
 unsigned int flat_grid(int64_t n, int threads) {
   const int64_t blocks = (n + threads - 1) / threads;
   return static_cast<unsigned int>(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
@@ -747,6 +829,21 @@ lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, con
     default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
   }
   LMLOSS_CUDA_LAUNCHED("add_label_rows_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status launch_fold_slice(const FoldSliceArgs& args, cudaStream_t stream) {
+  if (args.rows == 0) return LMLOSS_SUCCESS;
+  const unsigned blocks = unsigned((args.rows + kFoldRowsPerBlock - 1) / kFoldRowsPerBlock);
+  fold_slice_kernel<<<blocks, 32 * kFoldRowsPerBlock, 0, stream>>>(args);
+  LMLOSS_CUDA_LAUNCHED("fold_slice_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status launch_add_flagged_tiles(const FlaggedTilesArgs& args, cudaStream_t stream) {
+  if (args.rows == 0) return LMLOSS_SUCCESS;
+  add_flagged_tiles_kernel<<<row_grid(std::min<int64_t>(args.rows, 65536)), kFlaggedThreads, 0, stream>>>(args);
+  LMLOSS_CUDA_LAUNCHED("add_flagged_tiles_kernel");
   return LMLOSS_SUCCESS;
 }
 

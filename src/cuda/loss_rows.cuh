@@ -98,6 +98,14 @@ struct LossRowsArgs {
   const float* exp_shift = nullptr;  // (rows)
   float* row_scale = nullptr;        // (rows)
   float* label_grad = nullptr;       // (rows)
+  // The vocabulary-sliced dX (dX only, launch_fold_slice): the stored values are gone by the time
+  // the row runs, so every row takes row_scale as if kept, nothing is read or written over them,
+  // and the tiles they could not keep relative to the shift are added afterwards from these
+  // (launch_add_flagged_tiles): row_coef[r] = the softmax part's coefficient of dl/dz (0 for a row
+  // without a gradient), row_lse[r] = lse.
+  bool scales_only = false;
+  float* row_coef = nullptr;         // (rows), with scales_only
+  float* row_lse = nullptr;          // (rows), with scales_only
   // s at a teacher id whose stored value is too small to take its log: recomputed from the head.
   const void* hidden = nullptr;      // (n_tokens, hidden_size), row stride hidden_ld
   int64_t hidden_ld = 0;
@@ -189,6 +197,52 @@ lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t i
                                 int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream,
                                 const LabelRows& label = {}, const void* table = nullptr,
                                 int64_t table_ld = 0);
+
+// The vocabulary-sliced dX of a frozen head (dX only, the exponential form): the statistics
+// product runs at full height over one slice of the vocabulary at a time, and dX accumulates
+// E_slice W_slice in f32. After each slice's product, per row: its tiles' partials are merged
+// into folded[r, slice] (so the row kernel sees one partial a slice), and each tile whose values
+// were stored relative to its own maximum instead of the row's shift (max s - kExpFormMargin >
+// shift: only rows whose lse is far above their label's s) is set to zeros and flagged in the
+// row's bitmap, one bit a tile, for launch_add_flagged_tiles. Rows with shift -inf (no
+// gradient) are left as they are. Slices start on 32-tile boundaries, so each bitmap word
+// belongs to one slice and is written whole.
+struct FoldSliceArgs {
+  const float4* partial = nullptr;  // (rows, partial_ld): the slice's tiles
+  int64_t partial_ld = 0;
+  int64_t tiles = 0;                // the slice's
+  int64_t rows = 0;
+  const float* shift = nullptr;     // (rows)
+  void* stored = nullptr;           // (rows, stored_ld) bf16: the slice's E
+  int64_t stored_ld = 0;
+  int64_t columns = 0;              // the slice's
+  float4* folded = nullptr;         // (rows, folded_ld): column `slice` written
+  int64_t folded_ld = 0;
+  int64_t slice = 0;
+  uint32_t* flags = nullptr;        // (rows, flags_ld): words first_word .. of the slice written
+  int64_t flags_ld = 0;
+  int64_t first_word = 0;
+};
+lmloss_status launch_fold_slice(const FoldSliceArgs& args, cudaStream_t stream);
+
+// The flagged tiles' exact terms (see FoldSliceArgs): for each row with row_coef != 0, in tile
+// order, s = x . w_j / T recomputed for the tile's columns and dx[r, :] += row_coef[r]
+// exp(s - row_lse[r]) w_j in f32, columns in order (deterministic). dx: (rows, hidden_size) f32,
+// already scaled by its rows' row_scale.
+struct FlaggedTilesArgs {
+  const void* hidden = nullptr;     // (rows, hidden_size) bf16, row stride hidden_ld
+  int64_t hidden_ld = 0;
+  const void* weight = nullptr;     // (vocab, hidden_size) bf16, row stride weight_ld
+  int64_t weight_ld = 0;
+  int64_t rows = 0, vocab = 0, hidden_size = 0;
+  float inv_temperature = 1;
+  const uint32_t* flags = nullptr;  // (rows, flags_ld)
+  int64_t flags_ld = 0;
+  const float* row_coef = nullptr;  // (rows)
+  const float* row_lse = nullptr;   // (rows)
+  float* dx = nullptr;              // (rows, hidden_size)
+};
+lmloss_status launch_add_flagged_tiles(const FlaggedTilesArgs& args, cudaStream_t stream);
 
 // dW's one-hot term, deterministically: the call's tokens ordered once by label (rows in order
 // within a label; a stable radix sort), then per chunk one thread block per label present sums
