@@ -306,9 +306,10 @@ TEST_F(Cuda, FusedStepWithFarLabelsMatchesReference) {
   }
 }
 
-// A frozen head (dX only) in the exponential form. With a budget of many token chunks the
-// statistics product and the dX product run over slices of the vocabulary at full height
-// instead (run_sliced_dx: five slices here); with the default budget, one chunk. Logits spread
+// A frozen head (dX only) in the exponential form. With a budget of four token chunks (79 rows)
+// the statistics product and the dX product run over slices of the vocabulary at full height
+// instead (run_sliced_dx): the budget holds slices of four 4096-column steps, the narrowest it
+// takes, and not of five, so five slices of 16384 columns. With the default budget, one chunk. Logits spread
 // wide enough (scale 60) that many rows have tiles stored relative to their own maxima, added
 // exactly afterwards from the head; options that scale the rows, per-token upstream gradients,
 // ignored labels and masked tokens. Against the reference, and bitwise on a rerun.
@@ -319,7 +320,7 @@ TEST_F(Cuda, FrozenHeadByVocabularySlicesMatchesReference) {
   for (const double logit_scale : {2.0, 60.0}) {
     for (const char* name : {"plain", "none", "normalizer", "zloss_temperature"}) {
       for (const bool sliced : {false, true}) {
-        const int64_t n_tokens = 300, vocab = 20011, hidden = 64;
+        const int64_t n_tokens = 300, vocab = 70001, hidden = 64;
         SCOPED_TRACE(std::string(name) + " logit scale " + std::to_string(logit_scale) + (sliced ? " sliced" : ""));
         ProblemSpec spec{.n_tokens = n_tokens, .vocab = vocab, .hidden = hidden, .mask = true,
                          .logit_scale = logit_scale};

@@ -346,6 +346,10 @@ enum SlicedPiece {
 // Slices are whole 32-tile words of the flags (FoldSliceArgs): the layout counts in such steps.
 constexpr int64_t kSliceStep = 32 * kRowStatsTileColumns;
 constexpr int64_t kSlicedMinChunks = 4;
+// Slices of at least this many steps (16384 columns): each slice's dX product reads and writes the
+// f32 dX of every token (8 N H bytes) beside its 2 N H width flops, and the staging grows with N,
+// so a long call (llama3-8b at N 32768 would get 4096-column slices in 1 GiB) keeps its chunks.
+constexpr int64_t kSlicedMinSteps = 4;
 
 struct SlicedPlan {
   Layout<kSlicedPieces> layout;  // "rows" are steps of kSliceStep columns of a slice
@@ -441,7 +445,8 @@ std::optional<LossPlan> plan_separate_grad(const lmloss_context& context, const 
 }
 
 // The vocabulary-sliced dX's plan (see SlicedPlan): the widest slices that fit the budget, evened
-// out; none where not even one step of columns fits or one slice would hold the whole vocabulary.
+// out; none where fewer than kSlicedMinSteps steps of columns fit or one slice would hold the
+// whole vocabulary.
 std::optional<SlicedPlan> plan_sliced_dx(const lmloss_context& context, const core::LossCall& call) {
   SlicedPlan p;
   const size_t n = size_t(call.n_tokens), hidden = size_t(call.hidden);
@@ -464,7 +469,7 @@ std::optional<SlicedPlan> plan_sliced_dx(const lmloss_context& context, const co
     pc[kSlicedTokenLoss] = {n * sizeof(float), 0, 16};
   int64_t steps = 0;
   while (steps < max_slices && p.layout.total(steps + 1) <= context.workspace_budget) ++steps;
-  if (steps == 0 || steps >= max_slices) return std::nullopt;
+  if (steps < kSlicedMinSteps || steps >= max_slices) return std::nullopt;
   p.slices = (max_slices + steps - 1) / steps;
   p.steps = (max_slices + p.slices - 1) / p.slices;
   return p;
