@@ -525,7 +525,8 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
       pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = {0, sizeof(float), 16};
       if (orders_labels) pc[kLabelOrder] = {order_bytes, 0, 256};
       // With dX and dW both wanted, a chunk's dX runs beside its dW (run_loss), so the staging
-      // holds the f32 dX and the scaled X at once, and the side's product has its own workspace.
+      // holds the f32 dX and the scaled X at once, and the side's product has scratch of its own
+      // as large as the main one's (half each measured 0.3-0.8 ms slower at gemma2-2b, run 36).
       p.dx_beside_dw = call.grads.grad_hidden.data && call.grads.grad_weight.data;
       const size_t staging_row = sizeof(float) * size_t(call.hidden) +
                                  (p.dx_beside_dw ? core::dtype_size(call.input_dtype) * size_t(call.hidden) : 0);
