@@ -552,7 +552,8 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     p.chunk_rows = p.logits_rows = evened_chunk_rows(call.n_tokens, p.chunk_rows);
   const lmloss_grads& g = call.grads;
   if (p.exp_form && g.grad_hidden.data && !g.grad_weight.data && !g.grad_bias.data && !g.grad_logits.data &&
-      call.targets.labels.data && !call.has_teacher() && chunk_count(call.n_tokens, p.chunk_rows) >= kSlicedMinChunks)
+      call.targets.labels.data && !call.has_teacher() && call.n_tokens <= kProductDimLimit &&
+      chunk_count(call.n_tokens, p.chunk_rows) >= kSlicedMinChunks)
     p.sliced = plan_sliced_dx(context, call);
   if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32 && !p.row_stats_product)
     if (std::optional<LossPlan> split = plan_separate_grad(context, call, p)) return *split;

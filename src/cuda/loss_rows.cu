@@ -289,21 +289,20 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     // either way the label's one-hot term goes to label_grad, not into the stored row.
     bool kept = false;
     float unscale = 1.f;
-    if (exp_form && a.scales_only) {  // every row as if kept; its far tiles come later
-      if (threadIdx.x == 0) {
-        a.row_scale[r] = g == 0.f ? 0.f : p_coef * expf(shift - lse) * scale.derivative(0.f) / a.scalars->token_scale;
-        a.label_grad[r] = label_entry ? weights.label_correction(g) * scale.derivative(0.f) : 0.f;
-        a.row_coef[r] = g == 0.f ? 0.f : p_coef * scale.derivative(0.f);
-        a.row_lse[r] = lse;
-      }
-      __syncthreads();
-      continue;
-    }
     if (exp_form) {
-      kept = g == 0.f || (fabsf(lse - shift) <= kExpFormRange && p_coef != 0.f);
+      // With scales_only every row is kept: its stored values are gone, its far tiles come later.
+      kept = g == 0.f || a.scales_only || (fabsf(lse - shift) <= kExpFormRange && p_coef != 0.f);
       if (threadIdx.x == 0) {
         a.row_scale[r] = g == 0.f ? 0.f : kept ? p_coef * expf(shift - lse) * scale.derivative(0.f) / a.scalars->token_scale : 1.f;
         a.label_grad[r] = label_entry ? weights.label_correction(g) * scale.derivative(0.f) : 0.f;
+        if (a.scales_only) {
+          a.row_coef[r] = g == 0.f ? 0.f : p_coef * scale.derivative(0.f);
+          a.row_lse[r] = lse;
+        }
+      }
+      if (a.scales_only) {  // nothing stored to correct
+        __syncthreads();
+        continue;
       }
       unscale = 1.f / a.scalars->token_scale;
     }
