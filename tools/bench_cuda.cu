@@ -499,6 +499,8 @@ class ModesBench {
     cudaStreamDestroy(side_stream_);
   }
   void tune_products(bool on) { tune_ = on; }
+  // dW's dtype in the loss modes and their floor (f32 unless asked: the parameter's dtype).
+  void set_dw_dtype(lmloss_dtype d) { dw_dtype_ = d; }
 
   // Median milliseconds of `repeats` runs of f, each after an L2 flush, timed by events. With
   // floor_count > 0 each run of f follows a run of that floor (see run_floor), so both see the
@@ -543,7 +545,7 @@ class ModesBench {
     void* z = full_logits();
     products_.run(n_, v_, h_, false, true, x_.ptr, w_.ptr, z, dt_, dt_, stream_);
     if (count >= 2) products_.run(n_, h_, v_, false, false, z, w_.ptr, dx_.ptr, dt_, dt_, stream_);
-    if (count >= 3) products_.run(v_, h_, n_, true, false, z, x_.ptr, dw_.ptr, dt_, LMLOSS_F32, stream_);
+    if (count >= 3) products_.run(v_, h_, n_, true, false, z, x_.ptr, dw_.ptr, dt_, dw_dtype_, stream_);
   }
   // (tokens, vocab) in the input dtype: the floor's logits, standing in for their gradient too.
   // Filled by the forward product when first made: a product's power draw, and so the card's
@@ -756,7 +758,7 @@ class ModesBench {
                                dev_matrix(probs_.ptr, LMLOSS_F32, n_, kTeacherK))
                 : make_targets(labels, none, none);
     const lmloss_grads g = make_grads(none, want_dx ? dev_matrix(dx_.ptr, dt_, n_, h_) : none,
-                                      want_dw ? dev_matrix(dw_.ptr, LMLOSS_F32, v_, h_) : none);
+                                      want_dw ? dev_matrix(dw_.ptr, dw_dtype_, v_, h_) : none);
     const lmloss_tensor loss = dev_scalar(loss_.ptr, LMLOSS_F32);
     const bool forward_only = mode == "forward";
     const double ms = time(
@@ -813,6 +815,7 @@ class ModesBench {
   DeviceBuffer x_, w_, labels_, ids_, probs_, dx_, dw_, loss_, topk_ids_, topk_probs_, z_;
   double last_floor_ms_ = 0;
   bool tune_ = false;  // lmloss_context_set_product_tuning on the library's contexts
+  lmloss_dtype dw_dtype_ = LMLOSS_F32;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -831,7 +834,7 @@ std::vector<std::string> split(const std::string& s) {
 int run(int argc, char** argv) {
   std::string preset = "llama3-8b", modes = "fwd_bwd,dx_only,forward,topk64,topk2048,distill64", budgets = "",
               json_path = "", dtype = "bf16", chunks = "", survey = "",
-              survey_only = "", splitk = "";
+              survey_only = "", splitk = "", dw_dtype = "f32";
   int64_t tokens = 0;
   int repeats = 10;
   bool with_floor = true, tune = false;
@@ -850,6 +853,7 @@ int run(int argc, char** argv) {
     else if (key == "--survey-only") survey_only = value;
     else if (key == "--tune") tune = value != "0";
     else if (key == "--splitk-rows") splitk = value;
+    else if (key == "--dw-dtype") dw_dtype = value;
     else throw std::invalid_argument("unknown option " + key);
   }
   const Preset* p = nullptr;
@@ -860,9 +864,11 @@ int run(int argc, char** argv) {
   const lmloss_dtype dt = dtype == "f16" ? LMLOSS_F16 : dtype == "f32" ? LMLOSS_F32 : LMLOSS_BF16;
   ModesBench bench(n, p->hidden, p->vocab, dt, repeats);
   bench.tune_products(tune);
-  std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events%s\n",
+  if (dw_dtype != "f32" && dw_dtype != "input") throw std::invalid_argument("--dw-dtype takes f32 or input");
+  bench.set_dw_dtype(dw_dtype == "input" ? dt : LMLOSS_F32);
+  std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events%s%s\n",
               device_description().c_str(), p->name, (long long)n, (long long)p->hidden, (long long)p->vocab,
-              dtype.c_str(), repeats, tune ? ", products tuned" : "");
+              dtype.c_str(), repeats, tune ? ", products tuned" : "", dw_dtype == "input" ? ", dW in the input dtype" : "");
   std::fflush(stdout);
 
   // Every row's floor is timed in the same loop as the row itself, run for run (with --floor 0,
