@@ -306,6 +306,31 @@ TEST_F(Cuda, FusedStepWithFarLabelsMatchesReference) {
   }
 }
 
+// Chunks of a fused step on the product's path are whole rows of its tile clusters (256 rows),
+// spread evenly with the first ones taller where they do not divide: 1700 tokens (seven cluster
+// rows, the last partly filled) in a budget that holds ~600 rows on this path (2 bytes a logit,
+// not budget_for_rows's 6) go as chunks of 512, 512, 512 and the 164 left. Each row must be
+// formed once and dW summed over all whatever the split. Cross-entropy and distillation, bf16
+// and f16, against the reference and bitwise on a rerun, within the budget.
+TEST_F(Cuda, FusedStepInChunksOfTheProductsClusterRowsMatchesReference) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4023);
+  for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
+    for (const char* name : {"plain", "distill_mixed"}) {
+      const int64_t n_tokens = 1700, vocab = 1999, hidden = 72;
+      const int64_t top_k = std::string(name) == "distill_mixed" ? 16 : 0;
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + name);
+      ProblemSpec spec{.n_tokens = n_tokens, .vocab = vocab, .hidden = hidden, .top_k = top_k};
+      LossCase c(gen.problem(spec), options_named(name), setup(dtype, dtype));
+      lmloss::Context ctx;
+      ctx.set_workspace_budget(budget_for_rows(260, vocab));
+      ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
+      EXPECT_LE(ctx.peak_workspace(), ctx.workspace_budget());
+    }
+  }
+}
+
 // A frozen head (dX only) in the exponential form. With a budget of four token chunks (79 rows)
 // the statistics product and the dX product run over slices of the vocabulary at full height
 // instead (run_sliced_dx): the budget holds slices of four 4096-column steps, the narrowest it

@@ -837,6 +837,7 @@ int run(int argc, char** argv) {
               survey_only = "", splitk = "", dw_dtype = "f32";
   int64_t tokens = 0;
   int repeats = 10;
+  double mode_budget_gib = 0;  // the modes' workspace budget; 0: the library's default
   bool with_floor = true, tune = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string key = argv[i], value = argv[i + 1];
@@ -854,6 +855,7 @@ int run(int argc, char** argv) {
     else if (key == "--tune") tune = value != "0";
     else if (key == "--splitk-rows") splitk = value;
     else if (key == "--dw-dtype") dw_dtype = value;
+    else if (key == "--budget-gib") mode_budget_gib = std::stod(value);
     else throw std::invalid_argument("unknown option " + key);
   }
   const Preset* p = nullptr;
@@ -888,11 +890,12 @@ int run(int argc, char** argv) {
                 r.budget_gib, r.ms, r.floor_ms, r.ms / r.floor_ms, r.peak_gib);
     std::fflush(stdout);
   };
+  const size_t mode_budget = size_t(mode_budget_gib * double(1 << 30));
   for (const std::string& mode : split(modes)) {
     if (mode.rfind("topk", 0) == 0 && mode != "topk")
-      report(bench.topk_mode(std::stoll(mode.substr(4)), 0, floor_count(mode)));
+      report(bench.topk_mode(std::stoll(mode.substr(4)), mode_budget, floor_count(mode)));
     else
-      report(bench.loss_mode(mode, 0, floor_count(mode)));
+      report(bench.loss_mode(mode, mode_budget, floor_count(mode)));
   }
   for (const std::string& b : split(budgets)) {
     Row r = bench.loss_mode("fwd_bwd", size_t(std::stod(b) * double(1 << 30)), floor_count("fwd_bwd"));

@@ -46,6 +46,9 @@ namespace lmloss::cuda {
 
 // Columns per partial: the product's tile width.
 constexpr int64_t kRowStatsTileColumns = 128;
+// Rows of a cluster of the product's tiles (two 128-row tiles): its grid covers a chunk's rows
+// in steps of this, so a chunk of other heights pays for a cluster row it only partly fills.
+constexpr int64_t kRowStatsClusterRows = 256;
 
 // The exponential form stores exp(s - ref) of a column tile with ref at least its max s less this:
 // no stored value above e^60, so no overflow in bf16 nor in the products' f32 sums over the vocab.

@@ -508,6 +508,7 @@ struct RowStatsGemm {
                                                       cutlass::gemm::PersistentScheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(size<1>(TileShape{}) == kRowStatsTileColumns, "one partial per column tile");
+  static_assert(size<0>(TileShape{}) * size<0>(ClusterShape{}) == kRowStatsClusterRows, "a cluster's rows");
   static_assert(columns_rise_along_rows<typename Mainloop::TiledMma, size<0>(TileShape{}), size<1>(TileShape{})>(),
                 "store_candidates takes the first of equal values for the lowest column");
   static_assert(size<0>(TileShape{}) == RowStatsEpilogue<Element, kKeep, kStatistics>::kTileRows, "the staging buffer's rows");
