@@ -309,9 +309,10 @@ TEST_F(Cuda, FusedStepWithFarLabelsMatchesReference) {
 // Chunks of a fused step on the product's path are whole rows of its tile clusters (256 rows),
 // spread evenly with the first ones taller where they do not divide: 1700 tokens (seven cluster
 // rows, the last partly filled) in a budget that holds ~600 rows on this path (2 bytes a logit,
-// not budget_for_rows's 6) go as chunks of 512, 512, 512 and the 164 left. Each row must be
-// formed once and dW summed over all whatever the split. Cross-entropy and distillation, bf16
-// and f16, against the reference and bitwise on a rerun, within the budget.
+// not budget_for_rows's 6) go, by our count of its pieces, as chunks of 512, 512, 512 and the
+// 164 left. Each row must be formed once and dW summed over all whatever the split.
+// Cross-entropy and distillation, bf16 and f16, against the reference and bitwise on a rerun,
+// within the budget.
 TEST_F(Cuda, FusedStepInChunksOfTheProductsClusterRowsMatchesReference) {
   if (!statistics_product_expected())
     GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
