@@ -332,6 +332,34 @@ TEST_F(Cuda, FusedStepInChunksOfTheProductsClusterRowsMatchesReference) {
   }
 }
 
+// A frozen head (dX only) in token chunks: their heights are chosen for the dX product's waves
+// of tiles (whole cluster rows, not spread evenly): here, by our count, 512-row chunks and the
+// 164 rows left (the budget holds ~600 rows; the vocabulary is too narrow for slices). bf16 in
+// the exponential form and f16 with its gradient pass, ignored labels and per-token upstream
+// gradients, against the reference, bitwise on a rerun, within the budget.
+TEST_F(Cuda, FrozenHeadInTokenChunksMatchesReference) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4029);
+  for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
+    for (const char* name : {"plain", "none", "zloss_temperature"}) {
+      const int64_t n_tokens = 1700, vocab = 1999, hidden = 72;
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + name);
+      ProblemSpec spec{.n_tokens = n_tokens, .vocab = vocab, .hidden = hidden, .mask = true};
+      const lmloss_loss_options o = options_named(name);
+      LossSetup s = setup(dtype, dtype);
+      s.want_grad_weight = false;
+      s.want_grad_bias = false;
+      if (o.reduction == LMLOSS_REDUCTION_NONE) s.upstream = gen.normal(n_tokens);
+      LossCase c(gen.problem(spec), o, s);
+      lmloss::Context ctx;
+      ctx.set_workspace_budget(budget_for_rows(260, vocab));
+      ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
+      EXPECT_LE(ctx.peak_workspace(), ctx.workspace_budget());
+    }
+  }
+}
+
 // A frozen head (dX only) in the exponential form. With a budget of four token chunks (79 rows)
 // the statistics product and the dX product run over slices of the vocabulary at full height
 // instead (run_sliced_dx): the budget holds slices of four 4096-column steps, the narrowest it

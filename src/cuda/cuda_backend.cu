@@ -33,6 +33,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -423,6 +424,51 @@ int64_t evened_chunk_rows(int64_t n, int64_t rows) {
   return even >= 256 ? std::min(rows, (even + 127) / 128 * 128) : rows;
 }
 
+// The device's multiprocessors, read once per device (0 where it cannot be read).
+int multiprocessor_count(int device) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices];  // 0: not read yet
+  if (device < 0 || device >= kDevices) return 0;
+  if (const int k = known[device].load(std::memory_order_relaxed)) return k;
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  known[device].store(count, std::memory_order_relaxed);
+  return count;
+}
+
+// The output tiles of cuBLASLt's kernel for a chunk's dX product (rows x hidden, bf16 in, f32
+// out) on an H200 at llama3-8b's head: 256 x 128 (ncu).
+constexpr int64_t kDxTileRows = 256, kDxTileColumns = 128;
+// A chunk's dX product of at most this many waves of tiles: at llama3-8b an H200 ran 2048 rows
+// (two waves) at 800 TFLOP/s and 3072 rows (three, as full) at 728 (run 40).
+constexpr int64_t kDxMaxWaves = 2;
+
+// The height of the chunks of a frozen head's step, whose dX product runs with nothing beside
+// it: whole units of the statistics product's clusters, at most max_rows, whose dX product fills
+// its last wave of tiles best, the tallest of those within half a percent; 0 where none fits.
+// llama3-8b at 1 GiB: 2048 rows (two waves of 128 + 128 tiles on 132 SMs) instead of 2816 + 2816 +
+// 2560 (2.67, 2.67 and 2.42 waves), 26.1 -> 25.3 ms a step (run 40).
+int64_t whole_wave_chunk_rows(int64_t max_rows, int64_t hidden, int sms) {
+  if (sms <= 0) return 0;
+  const int64_t column_tiles = chunk_count(hidden, kDxTileColumns);
+  int64_t best_rows = 0;
+  double best_fill = 0;
+  for (int64_t rows = kRowStatsClusterRows; rows <= max_rows; rows += kRowStatsClusterRows) {
+    const int64_t tiles = chunk_count(rows, kDxTileRows) * column_tiles;
+    const int64_t waves = chunk_count(tiles, sms);
+    if (waves > kDxMaxWaves) break;
+    const double fill = double(tiles) / double(waves * sms);
+    if (fill >= best_fill - 0.005) {
+      best_rows = rows;
+      best_fill = std::max(best_fill, fill);
+    }
+  }
+  return best_rows;
+}
+
 // The other layout for 16-bit gradients: a dense gradient chunk of 2 bytes per logit, filled by
 // several smaller f32 logits chunks in turn. The backward products then run over more rows at once
 // for the same budget, and each chunk beyond the first re-reads and re-writes the f32 dW (V H 4
@@ -570,6 +616,7 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     pc[kPartials] = {0, partials_row_bytes(call.vocab), 256};
     p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
   }
+  const int64_t fitted_rows = p.chunk_rows;
   if (p.row_stats_product && grads_formed) {
     // Chunks in whole rows of the product's clusters, spread evenly: at gemma2-2b's 1 GiB, 1792 +
     // 1792 + 3 x 1536 rows instead of 4 x 1664 + 1536, whose products each ran as long as one
@@ -584,9 +631,18 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     }
   }
   const lmloss_grads& g = call.grads;
+  const int64_t fitted_chunks = plan_chunk_count(p, call.n_tokens);
+  if (p.chunk_unit > 0 && !g.grad_weight.data) {
+    // A frozen head: its chunks' dX products run alone, so their heights are chosen by their waves.
+    const int64_t rows = whole_wave_chunk_rows(fitted_rows, call.hidden, multiprocessor_count(call.device_index));
+    if (rows > 0) {
+      p.chunk_unit = 0;
+      p.chunk_rows = p.logits_rows = rows;
+    }
+  }
   if (p.exp_form && g.grad_hidden.data && !g.grad_weight.data && !g.grad_bias.data && !g.grad_logits.data &&
       call.targets.labels.data && !call.has_teacher() && call.n_tokens <= kProductDimLimit &&
-      plan_chunk_count(p, call.n_tokens) >= kSlicedMinChunks)
+      fitted_chunks >= kSlicedMinChunks)
     p.sliced = plan_sliced_dx(context, call);
   if (call.linear && grads && call.grads.grad_weight.data && call.input_dtype != LMLOSS_F32 && !p.row_stats_product)
     if (std::optional<LossPlan> split = plan_separate_grad(context, call, p)) return *split;
