@@ -278,11 +278,12 @@ LMLOSS_API lmloss_status lmloss_topk(lmloss_context* context, const lmloss_head*
 
 /* ---- Gradient scaling ------------------------------------------------------------------------ */
 
-/* out = grad * scale, computed in grad's dtype and rounded once into out's: for a framework whose
- * fused step kept a 16-bit head's dW (or db) in f32 for an upstream gradient of 1, once the real
- * upstream gradient is known. grad: f32 (or f64 on the CPU), rank 0-2; out: the same shape, any
- * float dtype, not overlapping grad unless it is grad itself; scale: one element of grad's dtype on
- * its device, or NULL for 1. On the context's stream; nothing waits. */
+/* out = grad * scale, computed in f32 (f64 for an f64 grad) and rounded once into out's dtype: for
+ * a framework whose fused step formed the gradients for an upstream gradient of 1 (a 16-bit head's
+ * dW kept in f32, dX in the head's dtype), once the real upstream gradient is known. grad: any
+ * float dtype (f64 on the CPU only), rank 0-2; out: the same shape, any float dtype, not
+ * overlapping grad unless it is grad itself; scale: one element of the product's dtype (f32, or
+ * f64 for an f64 grad) on grad's device, or NULL for 1. On the context's stream; nothing waits. */
 LMLOSS_API lmloss_status lmloss_scale_gradient(lmloss_context* context, const lmloss_tensor* grad,
                                                const lmloss_tensor* scale, const lmloss_tensor* out);
 

@@ -62,8 +62,8 @@ struct TopkCall {
 
 // A validated gradient scaling: out = grad * scale, viewed as (rows, cols) with row strides.
 struct ScaleCall {
-  lmloss_tensor grad{};   // f32 or f64
-  lmloss_tensor scale{};  // one element of grad's dtype, optional (1)
+  lmloss_tensor grad{};   // any float dtype (f64 on the CPU only)
+  lmloss_tensor scale{};  // one element of the product dtype (f32; f64 for an f64 grad), optional (1)
   lmloss_tensor out{};    // any float dtype, grad's shape
 
   int64_t rows = 0;

@@ -352,7 +352,8 @@ lmloss_status validate_scale(const lmloss_tensor* grad, const lmloss_tensor* sca
   if (!out || !out->data) return invalid("out", "is missing");
   LMLOSS_CHECK(check_tensor(*grad, "grad"));
   LMLOSS_CHECK(check_tensor(*out, "out"));
-  LMLOSS_CHECK(expect_dtype(*grad, "grad", LMLOSS_F32, LMLOSS_F64, "f32 or f64"));
+  if (!is_float(grad->dtype))
+    return invalid("grad", std::string("dtype ") + dtype_name(grad->dtype) + " not allowed; expected a float dtype");
   for (const lmloss_tensor* t : {grad, out})
     if (t->ndim == 1 && t->stride > 1)
       return invalid(t == grad ? "grad" : "out", "a vector must be contiguous (stride 0 or 1)");
@@ -371,7 +372,9 @@ lmloss_status validate_scale(const lmloss_tensor* grad, const lmloss_tensor* sca
   if (call.scale.data) {
     LMLOSS_CHECK(check_tensor(call.scale, "scale"));
     LMLOSS_CHECK(expect_shape(call.scale, "scale", 0, 0, 0, "() or (1)"));
-    LMLOSS_CHECK(expect_dtype(call.scale, "scale", grad->dtype, grad->dtype, dtype_name(grad->dtype)));
+    // The product's dtype: f64 for an f64 grad, else f32 (a 16-bit grad is widened first).
+    const lmloss_dtype product = grad->dtype == LMLOSS_F64 ? LMLOSS_F64 : LMLOSS_F32;
+    LMLOSS_CHECK(expect_dtype(call.scale, "scale", product, product, dtype_name(product)));
   }
   DeviceCheck device;
   LMLOSS_CHECK(device.add(call.grad, "grad"));

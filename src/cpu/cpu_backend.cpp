@@ -646,7 +646,8 @@ class CpuBackend final : public core::Backend {
   lmloss_status synchronize(lmloss_context&) override { return core::succeed(); }
 
  private:
-  // out = grad * scale in grad's dtype C, row by row (in place when out is grad).
+  // out = grad * scale computed in C (f64 for an f64 grad, else f32), row by row (in place when out
+  // is grad).
   template <typename C>
   static void scale_rows(const ScaleCall& call) {
     const C scale = call.scale.data ? core::load_float<C>(call.scale.data, call.scale.dtype, 0) : C(1);

@@ -1394,10 +1394,10 @@ class CudaBackend final : public core::Backend {
   }
 
   lmloss_status run(lmloss_context& context, const core::ScaleCall& call) override {
-    if (call.grad.dtype != LMLOSS_F32 || call.out.dtype == LMLOSS_F64)
+    if (call.grad.dtype == LMLOSS_F64 || call.out.dtype == LMLOSS_F64)
       return core::fail(LMLOSS_ERROR_UNSUPPORTED, "grad, out: f64 tensors are CPU only; use f32 on CUDA");
     DeviceGuard guard(call.device_index);
-    return launch_scale_rows(call.grad.data, LMLOSS_F32, row_stride(call.grad), static_cast<const float*>(call.scale.data),
+    return launch_scale_rows(call.grad.data, call.grad.dtype, row_stride(call.grad), static_cast<const float*>(call.scale.data),
                              nullptr, call.rows, call.cols, call.out.data, row_stride(call.out), call.out.dtype,
                              static_cast<cudaStream_t>(context.stream));
   }

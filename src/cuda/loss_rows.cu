@@ -784,6 +784,7 @@ lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t i
   switch (in_dtype) {
     case LMLOSS_F32: return with_out(static_cast<const float*>(in));
     case LMLOSS_BF16: return with_out(static_cast<const __nv_bfloat16*>(in));
+    case LMLOSS_F16: return with_out(static_cast<const __half*>(in));
     default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported input dtype for a row scaling");
   }
 }

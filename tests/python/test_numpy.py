@@ -465,9 +465,9 @@ def test_threads_each_have_their_own_context():
 
 
 def test_scale_gradient_extension_call():
-    # The extension's lmloss_scale_gradient, which lmloss.torch uses for its 16-bit heads' float32
-    # weight gradients: the product in float32, rounded once; here into float32 on the host, as
-    # the product itself, and in place.
+    # The extension's lmloss_scale_gradient, which lmloss.torch uses for the gradients its fused
+    # step formed: the product in float32, rounded once; here into float32 on the host, as the
+    # product itself, and in place.
     rng = np.random.default_rng(7)
     grad = rng.standard_normal((37, 1003)).astype(np.float32)
     scale = np.array(0.37, dtype=np.float32)
@@ -480,3 +480,9 @@ def test_scale_gradient_extension_call():
     np.testing.assert_array_equal(grad, out * scale)
     with pytest.raises(lmloss._lmloss.Error, match="out"):
         lmloss._lmloss.scale_gradient(grad=grad, out=np.zeros((37, 1002), np.float32))
+    # A 16-bit gradient (lmloss.torch's dX of a 16-bit head), widened to float32 for the product
+    # and rounded once, in place.
+    half = rng.standard_normal((37, 1003)).astype(np.float16)
+    want = (half.astype(np.float32) * scale).astype(np.float16)
+    lmloss._lmloss.scale_gradient(grad=half, scale=scale, out=half)
+    np.testing.assert_array_equal(half, want)
