@@ -4,12 +4,13 @@
 For each preset and mode: naive PyTorch (F.cross_entropy(h @ W.T)), torch.compile of it, Liger
 Kernel's LigerFusedLinearCrossEntropyLoss and Cut Cross-Entropy's linear_cross_entropy (default
 gradient filtering, and exact with filter_eps=None), and lmloss itself (lmloss.torch, and
-lmloss.topk for top-k), when they import.
+lmloss.topk for top-k; for fwd+bwd also its fused op alone, "lmloss-op"), when they import.
 Each row: median time of CUDA events around the step (L2 flushed before every run), the peak
 extra device memory over the inputs (gradients included), and the floor: the bare torch.matmul
 products of the same step (forward; + dX; + dW) timed in the same run. With --accuracy the
 cross-entropy steps are also compared with a float64 reference of the same bf16 inputs (loss, dX,
-dW; relative error of the norm). Prints a table and writes JSON.
+dW; relative error of the norm). With --profile each step's kernels are summed by name from one
+run under torch.profiler. Prints a table and writes JSON.
 
   python3 bench/peers.py --presets llama3-8b,gemma2-2b --json peers.json
 """
@@ -170,7 +171,34 @@ def lmloss_methods(mode, y, ids, p):
     if mode.startswith("topk"):
         k = int(mode[4:])
         return {"lmloss": lambda x, w: lmloss.topk(x, w, k)}
-    return {"lmloss": lambda x, w: lt.linear_cross_entropy(x, w, y)}
+    out = {"lmloss": lambda x, w: lt.linear_cross_entropy(x, w, y)}
+    if mode == "fwd_bwd":
+        # The fused op alone, outside autograd: loss and gradients for an upstream gradient of 1,
+        # dW in float32 (what lmloss.torch's forward runs, before its backward's scaling).
+        out["lmloss-op"] = lambda x, w: torch.ops.lmloss.loss_forward_backward(
+            None, x, w, None, y, None, None, None, "mean", -100, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0,
+            False, True, True, False)
+    return out
+
+
+def kernel_profile(run, top=8):
+    """One run of the step under torch.profiler: its kernels' device time summed by name (the
+    largest `top`, in ms) and their total, to set beside the step's CUDA-event time (the
+    difference is time the device waited on the host or between streams)."""
+    from torch.profiler import ProfilerActivity, profile
+    run()
+    torch.cuda.synchronize()
+    flush_l2()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = run()
+        torch.cuda.synchronize()
+    del out
+    by_name = {}
+    for e in prof.events():
+        if str(e.device_type).endswith("CUDA") and e.device_time_total > 0:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / 1e3
+    total = sum(by_name.values())
+    return total, sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
 
 
 def float64_reference(x, w, y, rows=1024):
@@ -208,6 +236,8 @@ def main():
     ap.add_argument("--methods", default="", help="comma list to keep (default: all that import)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile", action="store_true",
+                    help="also each step's kernels by device time (torch.profiler, one run)")
     ap.add_argument("--accuracy", action="store_true",
                     help="fwd_bwd: errors of loss, dX and dW against a float64 reference")
     args = ap.parse_args()
@@ -226,6 +256,11 @@ def main():
             want_dx, want_dw, count = MODES[mode]
             if count not in floors:
                 floors[count] = timed(floor_fn(x, w, count), args.repeats)[0]
+                if args.profile:
+                    total, kernels = kernel_profile(floor_fn(x, w, count))
+                    print(f"# {preset} {mode} floor: kernels {total:8.3f} ms in all")
+                    for name, k_ms in kernels:
+                        print(f"#   {k_ms:8.3f} ms  {name[:110]}")
             ref_dx = None
             ref64 = float64_reference(x, w, y) if args.accuracy and mode == "fwd_bwd" else None
             for name, fn in {**methods(mode, y, ids, p), **lmloss_methods(mode, y, ids, p)}.items():
@@ -233,11 +268,12 @@ def main():
                     continue
                 t0 = time.time()
                 try:
-                    run = step(fn, x, w, want_dx, want_dw)
+                    no_autograd = name.endswith("-op")  # gradients from the op itself
+                    run = step(fn, x, w, want_dx and not no_autograd, want_dw and not no_autograd)
                     ms, peak = timed(run, args.repeats)
                     err = None
                     err64 = None
-                    if want_dx:
+                    if want_dx and not no_autograd:
                         loss, dx, dw = run()
                         if name == "naive":
                             ref_dx = dx.detach().clone()
@@ -261,6 +297,12 @@ def main():
                       + (f"  dX err vs naive {err:.2e}" if err is not None else "")
                       + ("  vs f64: loss {:.1e} dX {:.1e} dW {:.1e}".format(*err64) if err64 else ""),
                       flush=True)
+                if args.profile:
+                    total, kernels = kernel_profile(run)
+                    print(f"#   kernels {total:8.3f} ms in all (the step {ms:.3f})")
+                    for name, k_ms in kernels:
+                        print(f"#   {k_ms:8.3f} ms  {name[:110]}")
+                    rows[-1].update(kernel_ms=total, kernels=kernels)
                 torch.cuda.empty_cache()
             if ref64 is not None and "lmloss" in lmloss_methods(mode, y, ids, p):
                 # The weight gradient as the library accumulates it for a 16-bit head, in float32,
