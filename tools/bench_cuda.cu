@@ -409,7 +409,9 @@ std::unique_ptr<BenchBackend> make_cuda_bench(std::string& reason) {
 
 #else  // LMLOSS_BENCH_CUDA_MAIN: every mode of the issue on one preset
 
+#include <chrono>
 #include <cmath>
+#include <thread>
 
 namespace lmloss::tools {
 namespace {
@@ -501,6 +503,9 @@ class ModesBench {
   void tune_products(bool on) { tune_ = on; }
   // dW's dtype in the loss modes and their floor (f32 unless asked: the parameter's dtype).
   void set_dw_dtype(lmloss_dtype d) { dw_dtype_ = d; }
+  // Host sleep before each timed run (floor and step alike), so that each starts on a card that
+  // has rested (its clocks and temperature as after an idle gap) instead of one kept hot.
+  void set_rest_ms(int ms) { rest_ms_ = ms; }
 
   // Median milliseconds of `repeats` runs of f, each after an L2 flush, timed by events. With
   // floor_count > 0 each run of f follows a run of that floor (see run_floor), so both see the
@@ -512,6 +517,10 @@ class ModesBench {
     cuda_check(cudaEventCreate(&start), "event");
     cuda_check(cudaEventCreate(&stop), "event");
     auto timed = [&](auto&& g) {
+      if (rest_ms_ > 0) {
+        cuda_check(cudaStreamSynchronize(stream_), "sync");
+        std::this_thread::sleep_for(std::chrono::milliseconds(rest_ms_));
+      }
       flush_.run(stream_);
       cuda_check(cudaEventRecord(start, stream_), "record");
       g();
@@ -814,6 +823,7 @@ class ModesBench {
   L2Flush flush_;
   DeviceBuffer x_, w_, labels_, ids_, probs_, dx_, dw_, loss_, topk_ids_, topk_probs_, z_;
   double last_floor_ms_ = 0;
+  int rest_ms_ = 0;
   bool tune_ = false;  // lmloss_context_set_product_tuning on the library's contexts
   lmloss_dtype dw_dtype_ = LMLOSS_F32;
 };
@@ -836,7 +846,7 @@ int run(int argc, char** argv) {
               json_path = "", dtype = "bf16", chunks = "", survey = "",
               survey_only = "", splitk = "", dw_dtype = "f32";
   int64_t tokens = 0;
-  int repeats = 10;
+  int repeats = 10, rest_ms = 0;
   double mode_budget_gib = 0;  // the modes' workspace budget; 0: the library's default
   bool with_floor = true, tune = false;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -856,6 +866,7 @@ int run(int argc, char** argv) {
     else if (key == "--splitk-rows") splitk = value;
     else if (key == "--dw-dtype") dw_dtype = value;
     else if (key == "--budget-gib") mode_budget_gib = std::stod(value);
+    else if (key == "--rest-ms") rest_ms = std::stoi(value);
     else throw std::invalid_argument("unknown option " + key);
   }
   const Preset* p = nullptr;
@@ -868,9 +879,11 @@ int run(int argc, char** argv) {
   bench.tune_products(tune);
   if (dw_dtype != "f32" && dw_dtype != "input") throw std::invalid_argument("--dw-dtype takes f32 or input");
   bench.set_dw_dtype(dw_dtype == "input" ? dt : LMLOSS_F32);
-  std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events%s%s\n",
+  bench.set_rest_ms(rest_ms);
+  std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events%s%s%s\n",
               device_description().c_str(), p->name, (long long)n, (long long)p->hidden, (long long)p->vocab,
-              dtype.c_str(), repeats, tune ? ", products tuned" : "", dw_dtype == "input" ? ", dW in the input dtype" : "");
+              dtype.c_str(), repeats, tune ? ", products tuned" : "", dw_dtype == "input" ? ", dW in the input dtype" : "",
+              rest_ms > 0 ? (", " + std::to_string(rest_ms) + " ms of rest before each timed run").c_str() : "");
   std::fflush(stdout);
 
   // Every row's floor is timed in the same loop as the row itself, run for run (with --floor 0,
