@@ -28,6 +28,16 @@ class Cuda : public ::testing::Test {
     s.grad_dtype = grad_dtype;
     return s;
   }
+  // A frozen head's step: dX only, in the head's dtype; a per-token upstream gradient (drawn
+  // from gen) where the reduction is "none".
+  static LossSetup frozen_head_setup(lmloss_dtype dtype, const lmloss_loss_options& o, Generator& gen,
+                                     int64_t n_tokens) {
+    LossSetup s = setup(dtype, dtype);
+    s.want_grad_weight = false;
+    s.want_grad_bias = false;
+    if (o.reduction == LMLOSS_REDUCTION_NONE) s.upstream = gen.normal(n_tokens);
+    return s;
+  }
   // A budget that holds about `rows` rows of a linear problem's chunk.
   static size_t budget_for_rows(int64_t rows, int64_t vocab) { return 64 * 1024 + size_t(rows) * vocab * 6; }
 
@@ -347,10 +357,7 @@ TEST_F(Cuda, FrozenHeadInTokenChunksMatchesReference) {
       SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + name);
       ProblemSpec spec{.n_tokens = n_tokens, .vocab = vocab, .hidden = hidden, .mask = true};
       const lmloss_loss_options o = options_named(name);
-      LossSetup s = setup(dtype, dtype);
-      s.want_grad_weight = false;
-      s.want_grad_bias = false;
-      if (o.reduction == LMLOSS_REDUCTION_NONE) s.upstream = gen.normal(n_tokens);
+      const LossSetup s = frozen_head_setup(dtype, o, gen, n_tokens);
       LossCase c(gen.problem(spec), o, s);
       lmloss::Context ctx;
       ctx.set_workspace_budget(budget_for_rows(260, vocab));
@@ -379,10 +386,7 @@ TEST_F(Cuda, FrozenHeadByVocabularySlicesMatchesReference) {
         ProblemSpec spec{.n_tokens = n_tokens, .vocab = vocab, .hidden = hidden, .mask = true,
                          .logit_scale = logit_scale};
         const lmloss_loss_options o = options_named(name);
-        LossSetup s = setup(LMLOSS_BF16, LMLOSS_BF16);
-        s.want_grad_weight = false;
-        s.want_grad_bias = false;
-        if (o.reduction == LMLOSS_REDUCTION_NONE) s.upstream = gen.normal(n_tokens);
+        const LossSetup s = frozen_head_setup(LMLOSS_BF16, o, gen, n_tokens);
         LossCase c(gen.problem(spec), o, s);
         lmloss::Context ctx;
         if (sliced) ctx.set_workspace_budget(budget_for_rows(n_tokens / 10, vocab));
