@@ -616,28 +616,25 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     pc[kPartials] = {0, partials_row_bytes(call.vocab), 256};
     p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
   }
-  const int64_t fitted_rows = p.chunk_rows;
-  if (p.row_stats_product && grads_formed) {
-    // Chunks in whole rows of the product's clusters, spread evenly: at gemma2-2b's 1 GiB, 1792 +
-    // 1792 + 3 x 1536 rows instead of 4 x 1664 + 1536, whose products each ran as long as one
-    // of 2048 rows (an H200, by ncu: 3.08 ms against 3.14, and 2.38 for 1536).
-    // Shorter chunks, or one chunk, stay as fitted.
-    const int64_t unit = kRowStatsClusterRows;
-    if (p.chunk_rows >= unit && p.chunk_rows < call.n_tokens) {
-      const int64_t units = chunk_count(call.n_tokens, unit);
-      const int64_t chunks = chunk_count(units, p.chunk_rows / unit);
-      p.chunk_unit = unit;
-      p.chunk_rows = p.logits_rows = chunk_count(units, chunks) * unit;  // the tallest
-    }
-  }
   const lmloss_grads& g = call.grads;
-  const int64_t fitted_chunks = plan_chunk_count(p, call.n_tokens);
-  if (p.chunk_unit > 0 && !g.grad_weight.data) {
-    // A frozen head: its chunks' dX products run alone, so their heights are chosen by their waves.
-    const int64_t rows = whole_wave_chunk_rows(fitted_rows, call.hidden, multiprocessor_count(call.device_index));
-    if (rows > 0) {
-      p.chunk_unit = 0;
-      p.chunk_rows = p.logits_rows = rows;
+  int64_t fitted_chunks = chunk_count(call.n_tokens, p.chunk_rows);
+  if (p.row_stats_product && grads_formed && p.chunk_rows >= kRowStatsClusterRows &&
+      p.chunk_rows < call.n_tokens) {
+    // Chunks in whole rows of the product's clusters. A frozen head's dX products run with
+    // nothing beside them, so its chunks are as tall as fills their last wave best; the others'
+    // are spread evenly: at gemma2-2b's 1 GiB, 1792 + 1792 + 3 x 1536 rows instead of 4 x 1664 +
+    // 1536, whose products each ran as long as one of 2048 rows (an H200, by ncu: 3.08 ms against
+    // 3.14, and 2.38 for 1536). Shorter chunks, or one chunk, stay as fitted.
+    const int64_t unit = kRowStatsClusterRows;
+    const int64_t units = chunk_count(call.n_tokens, unit);
+    fitted_chunks = chunk_count(units, p.chunk_rows / unit);
+    const int64_t wave_rows = g.grad_weight.data ? 0 : whole_wave_chunk_rows(p.chunk_rows, call.hidden,
+                                                                             multiprocessor_count(call.device_index));
+    if (wave_rows > 0) {
+      p.chunk_rows = p.logits_rows = wave_rows;
+    } else {
+      p.chunk_unit = unit;
+      p.chunk_rows = p.logits_rows = chunk_count(units, fitted_chunks) * unit;  // the tallest
     }
   }
   if (p.exp_form && g.grad_hidden.data && !g.grad_weight.data && !g.grad_bias.data && !g.grad_logits.data &&
