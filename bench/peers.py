@@ -201,6 +201,12 @@ def kernel_profile(run, top=8):
     return total, sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
 
 
+def print_kernels(heading, total, kernels):
+    print(f"# {heading}: kernels {total:8.3f} ms in all")
+    for name, k_ms in kernels:
+        print(f"#   {k_ms:8.3f} ms  {name[:110]}")
+
+
 def float64_reference(x, w, y, rows=1024):
     """Mean cross-entropy of x @ w.T against y, and its gradients for x and w, in float64, a chunk
     of rows at a time (the full float64 logits would not fit beside everything else)."""
@@ -257,10 +263,7 @@ def main():
             if count not in floors:
                 floors[count] = timed(floor_fn(x, w, count), args.repeats)[0]
                 if args.profile:
-                    total, kernels = kernel_profile(floor_fn(x, w, count))
-                    print(f"# {preset} {mode} floor: kernels {total:8.3f} ms in all")
-                    for name, k_ms in kernels:
-                        print(f"#   {k_ms:8.3f} ms  {name[:110]}")
+                    print_kernels(f"{preset} {mode} floor", *kernel_profile(floor_fn(x, w, count)))
             ref_dx = None
             ref64 = float64_reference(x, w, y) if args.accuracy and mode == "fwd_bwd" else None
             for name, fn in {**methods(mode, y, ids, p), **lmloss_methods(mode, y, ids, p)}.items():
@@ -299,9 +302,7 @@ def main():
                       flush=True)
                 if args.profile:
                     total, kernels = kernel_profile(run)
-                    print(f"#   kernels {total:8.3f} ms in all (the step {ms:.3f})")
-                    for name, k_ms in kernels:
-                        print(f"#   {k_ms:8.3f} ms  {name[:110]}")
+                    print_kernels(f"{name} (the step {ms:.3f} ms)", total, kernels)
                     rows[-1].update(kernel_ms=total, kernels=kernels)
                 torch.cuda.empty_cache()
             if ref64 is not None and "lmloss" in lmloss_methods(mode, y, ids, p):
