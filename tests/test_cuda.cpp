@@ -245,6 +245,29 @@ TEST_F(Cuda, ForwardStatisticsFromTheProductMatchReference) {
   }
 }
 
+// A forward of more tokens than the statistics product takes at once (2048, so that its rows of
+// X stay in L2) runs in chunks of whole cluster rows, spread evenly: 3500 tokens as 1792 + 1708
+// rows by our count. Every row's loss and lse once, the mean over all, masked and ignored tokens,
+// per-token losses, both 16-bit dtypes; against the reference and bitwise on a rerun.
+TEST_F(Cuda, ForwardOfManyTokensFromTheProductInChunksMatchesReference) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4031);
+  for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
+    for (const char* name : {"plain", "none", "smoothing_zloss_temperature"}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + name);
+      ProblemSpec spec{.n_tokens = 3500, .vocab = 1999, .hidden = 72, .mask = true};
+      LossCase c(gen.problem(spec), options_named(name), setup(dtype, LMLOSS_F32));
+      lmloss::Context ctx;
+      ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      expect_matches_reference(c, Mode::forward);
+      const std::vector<double> first = c.output_values();
+      ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      EXPECT_TRUE(bitwise_equal(first, c.output_values()));
+    }
+  }
+}
+
 // The most workspace a fused call on the statistics product's path holds in one chunk: the
 // products' 32 MiB of scratch (twice that where dX runs beside dW on a second stream: the
 // exponential form, bf16 without label smoothing), 2 bytes per logit, the partials or the

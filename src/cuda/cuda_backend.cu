@@ -12,7 +12,8 @@
 //   db (vocab)             += column sums of G / S, rows in order
 // A forward (without a teacher) or fused call of a 16-bit linear head without bias or
 // soft-capping, on an sm_90 device, takes each chunk's statistics in the product's epilogue
-// instead (row_stats_product.cuh): no logits chunk for a forward; for a fused call the product
+// instead (row_stats_product.cuh): no logits chunk for a forward (whose chunks are at most
+// kForwardProductRows, for L2's sake, as are top-k's); for a fused call the product
 // stores the shifted logits in the inputs' dtype, the row kernel reads s at the teacher ids from
 // them and writes the gradient over them; with bf16 and no label smoothing, in the exponential
 // form (loss_rows.cuh), where most rows need no gradient pass:
@@ -469,6 +470,14 @@ int64_t whole_wave_chunk_rows(int64_t max_rows, int64_t hidden, int sms) {
   return best_rows;
 }
 
+// The most rows at once of a statistics product that forms no gradient (a forward, top-k), so
+// that their rows of X stay in L2 while W streams past. At llama3-8b's 8192 rows (64 MiB of X,
+// more than the H200's L2) the one product ran its L2 at 96% of peak with 47% hits, read 37-46 GB
+// from DRAM and slowed its clock to 1.26 GHz (ncu, run 40). On a rested H200 (run 41) a forward
+// took 1.25x cuBLASLt's product at 8192 rows, 1.13x at 3072 and 1.05x at 2048, 1536 or 1024;
+// top-k at 2048 rows was the fastest of those (k 64: 1.30x -> 1.14x).
+constexpr int64_t kForwardProductRows = 2048;
+
 // The other layout for 16-bit gradients: a dense gradient chunk of 2 bytes per logit, filled by
 // several smaller f32 logits chunks in turn. The backward products then run over more rows at once
 // for the same budget, and each chunk beyond the first re-reads and re-writes the f32 dW (V H 4
@@ -604,7 +613,7 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
         pc[kSideMatmulWs] = pc[kMatmulWs];
       }
     }
-    row_limit = std::min(call.n_tokens, kProductDimLimit);
+    row_limit = std::min(call.n_tokens, grads_formed ? kProductDimLimit : kForwardProductRows);
     pc[kProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
   }
   p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
@@ -618,8 +627,7 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   }
   const lmloss_grads& g = call.grads;
   int64_t fitted_chunks = chunk_count(call.n_tokens, p.chunk_rows);
-  if (p.row_stats_product && grads_formed && p.chunk_rows >= kRowStatsClusterRows &&
-      p.chunk_rows < call.n_tokens) {
+  if (p.row_stats_product && p.chunk_rows >= kRowStatsClusterRows && p.chunk_rows < call.n_tokens) {
     // Chunks in whole rows of the product's clusters. A frozen head's dX products run with
     // nothing beside them, so its chunks are as tall as fills their last wave best; the others'
     // are spread evenly: at gemma2-2b's 1 GiB, 1792 + 1792 + 3 x 1536 rows instead of 4 x 1664 +
@@ -628,8 +636,9 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     const int64_t unit = kRowStatsClusterRows;
     const int64_t units = chunk_count(call.n_tokens, unit);
     fitted_chunks = chunk_count(units, p.chunk_rows / unit);
-    const int64_t wave_rows = g.grad_weight.data ? 0 : whole_wave_chunk_rows(p.chunk_rows, call.hidden,
-                                                                             multiprocessor_count(call.device_index));
+    const bool frozen_head = grads_formed && !g.grad_weight.data;
+    const int64_t wave_rows =
+        frozen_head ? whole_wave_chunk_rows(p.chunk_rows, call.hidden, multiprocessor_count(call.device_index)) : 0;
     if (wave_rows > 0) {
       p.chunk_rows = p.logits_rows = wave_rows;
     } else {
@@ -684,7 +693,7 @@ TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
     pc[kTopkCandidates] = {0, sizeof(uint64_t) * kTopkCandidatesPerTile * tiles, 256};
     pc[kTopkSeconds] = {0, sizeof(uint32_t) * kTopkCandidatesPerTile * tiles, 256};
     if (!call.options.renormalize) pc[kTopkPartials] = {0, sizeof(float4) * tiles, 256};  // for the lse
-    const int64_t row_limit = std::min(call.n_tokens, kProductDimLimit);
+    const int64_t row_limit = std::min(call.n_tokens, kForwardProductRows);
     pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
     p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
     return p;
@@ -701,7 +710,7 @@ TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
     p.matmul_ws = std::min(matmul_workspace(context.workspace_budget), kSampleMatmulWorkspace);
     pc[kTopkMatmulWs] = {p.matmul_ws, 0, 256};
     pc[kTopkScalars].fixed = sizeof(CallScalars);
-    const int64_t row_limit = std::min(call.n_tokens, kProductDimLimit);
+    const int64_t row_limit = std::min(call.n_tokens, kForwardProductRows);
     pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
     p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
     return p;
