@@ -59,12 +59,14 @@ class Cuda : public ::testing::Test {
     return std::string(dtype_name(dtype)) + " " + name + " N " + std::to_string(shape.n_tokens) + " V " +
            std::to_string(shape.vocab) + " H " + std::to_string(shape.hidden);
   }
-  // A fused step against the reference, then run again in the same context: bitwise the same.
-  static void expect_reference_then_bitwise_rerun(LossCase& c, lmloss::Context& ctx) {
-    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-    expect_matches_reference(c, Mode::forward_backward);
+  // A call (a fused step unless named) against the reference, then run again in the same
+  // context: bitwise the same.
+  static void expect_reference_then_bitwise_rerun(LossCase& c, lmloss::Context& ctx,
+                                                  Mode mode = Mode::forward_backward) {
+    ASSERT_EQ(c.run(ctx.get(), mode), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_matches_reference(c, mode);
     const std::vector<double> first = c.output_values();
-    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    ASSERT_EQ(c.run(ctx.get(), mode), LMLOSS_SUCCESS) << lmloss_last_error();
     EXPECT_TRUE(bitwise_equal(first, c.output_values()));
   }
 };
@@ -226,12 +228,8 @@ TEST_F(Cuda, ForwardStatisticsFromTheProductMatchReference) {
         ProblemSpec spec{.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden};
         LossCase c(gen.problem(spec), options_named(name), product_setup(dtype, LMLOSS_F32, shape));
         lmloss::Context ctx;
-        ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-        expect_matches_reference(c, Mode::forward);
+        ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx, Mode::forward));
         EXPECT_LT(ctx.peak_workspace(), size_t(1) << 20);
-        const std::vector<double> first = c.output_values();
-        ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-        EXPECT_TRUE(bitwise_equal(first, c.output_values()));
       }
       {  // a bias: the cuBLASLt path
         ProblemSpec spec{.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden, .bias = true};
@@ -259,11 +257,7 @@ TEST_F(Cuda, ForwardOfManyTokensFromTheProductInChunksMatchesReference) {
       ProblemSpec spec{.n_tokens = 3500, .vocab = 1999, .hidden = 72, .mask = true};
       LossCase c(gen.problem(spec), options_named(name), setup(dtype, LMLOSS_F32));
       lmloss::Context ctx;
-      ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-      expect_matches_reference(c, Mode::forward);
-      const std::vector<double> first = c.output_values();
-      ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-      EXPECT_TRUE(bitwise_equal(first, c.output_values()));
+      ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx, Mode::forward));
     }
   }
 }
