@@ -845,7 +845,7 @@ int run(int argc, char** argv) {
   std::string preset = "llama3-8b", modes = "fwd_bwd,dx_only,forward,topk64,topk2048,distill64", budgets = "",
               json_path = "", dtype = "bf16", chunks = "", survey = "",
               survey_only = "", splitk = "", dw_dtype = "f32";
-  int64_t tokens = 0;
+  int64_t tokens = 0, hidden = 0, vocab = 0;  // 0: the preset's
   int repeats = 10, rest_ms = 0;
   double mode_budget_gib = 0;  // the modes' workspace budget; 0: the library's default
   bool with_floor = true, tune = false;
@@ -853,6 +853,8 @@ int run(int argc, char** argv) {
     const std::string key = argv[i], value = argv[i + 1];
     if (key == "--preset") preset = value;
     else if (key == "--tokens") tokens = std::stoll(value);
+    else if (key == "--hidden") hidden = std::stoll(value);
+    else if (key == "--vocab") vocab = std::stoll(value);
     else if (key == "--modes") modes = value;
     else if (key == "--budgets-gib") budgets = value;
     else if (key == "--repeats") repeats = std::stoi(value);
@@ -874,14 +876,15 @@ int run(int argc, char** argv) {
     if (preset == candidate.name) p = &candidate;
   if (!p) throw std::invalid_argument("unknown preset " + preset);
   const int64_t n = tokens > 0 ? tokens : p->tokens;
+  const int64_t h = hidden > 0 ? hidden : p->hidden, v = vocab > 0 ? vocab : p->vocab;
   const lmloss_dtype dt = dtype == "f16" ? LMLOSS_F16 : dtype == "f32" ? LMLOSS_F32 : LMLOSS_BF16;
-  ModesBench bench(n, p->hidden, p->vocab, dt, repeats);
+  ModesBench bench(n, h, v, dt, repeats);
   bench.tune_products(tune);
   if (dw_dtype != "f32" && dw_dtype != "input") throw std::invalid_argument("--dw-dtype takes f32 or input");
   bench.set_dw_dtype(dw_dtype == "input" ? dt : LMLOSS_F32);
   bench.set_rest_ms(rest_ms);
   std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events%s%s%s\n",
-              device_description().c_str(), p->name, (long long)n, (long long)p->hidden, (long long)p->vocab,
+              device_description().c_str(), p->name, (long long)n, (long long)h, (long long)v,
               dtype.c_str(), repeats, tune ? ", products tuned" : "", dw_dtype == "input" ? ", dW in the input dtype" : "",
               rest_ms > 0 ? (", " + std::to_string(rest_ms) + " ms of rest before each timed run").c_str() : "");
   std::fflush(stdout);
@@ -920,7 +923,7 @@ int run(int argc, char** argv) {
     if (!f) throw std::runtime_error("cannot write " + json_path);
     std::fprintf(f, "{\"device\": \"%s\", \"preset\": \"%s\", \"tokens\": %lld, \"hidden\": %lld, \"vocab\": %lld, "
                     "\"dtype\": \"%s\", \"repeats\": %d, \"rows\": [",
-                 device_description().c_str(), p->name, (long long)n, (long long)p->hidden, (long long)p->vocab,
+                 device_description().c_str(), p->name, (long long)n, (long long)h, (long long)v,
                  dtype.c_str(), repeats);
     for (size_t i = 0; i < rows.size(); ++i)
       std::fprintf(f, "%s{\"mode\": \"%s\", \"budget_gib\": %.4f, \"ms\": %.4f, \"floor_ms\": %.4f, \"peak_gib\": %.4f}",
