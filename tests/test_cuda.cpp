@@ -615,6 +615,31 @@ TEST_F(Cuda, TopkFromTheProductRecomputesGroups) {
   }
 }
 
+// Both top-k paths from the product (k 64 from the tiles' candidates, k 300 above a sampled bar)
+// with 1300 tokens under a budget of a bit more than half the one-chunk workspace: about 560-710
+// rows fit, which go as three chunks of whole 256-row cluster units spread evenly (512 + 512 +
+// 276), not two as tall as fit and a short rest. Against the reference, within the budget.
+TEST_F(Cuda, TopkFromTheProductInChunksOfTheProductsClusterRowsMatchesReference) {
+  if (!statistics_product_expected())
+    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  Generator gen(4033);
+  const reference::Problem p = gen.problem({.n_tokens = 1300, .vocab = 16411, .hidden = 64});
+  for (const int64_t k : {int64_t(64), int64_t(300)}) {
+    SCOPED_TRACE("k " + std::to_string(k));
+    lmloss_topk_options o = lmloss_topk_options_default();
+    o.k = k;
+    o.renormalize = 0;
+    TopkCase tc(p, o, {.device = Device::cuda, .dtype = LMLOSS_BF16});
+    lmloss::Context one_chunk;
+    ASSERT_EQ(tc.run(one_chunk.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    lmloss::Context chunked;
+    chunked.set_workspace_budget(one_chunk.peak_workspace() * 55 / 100);
+    ASSERT_EQ(tc.run(chunked.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
+    EXPECT_LE(chunked.peak_workspace(), chunked.workspace_budget());
+  }
+}
+
 // Teacher top-k through a 16-bit head for k past the tiles' candidates, selected from the logits
 // the product keeps at or above a bar taken from a sample of each row (W's rows step i + step / 2,
 // step = V / 1024): against the reference for k 129 to past where the list outgrows shared

@@ -402,11 +402,13 @@ int64_t chunk_count(int64_t n, int64_t rows) { return rows > 0 ? (n + rows - 1) 
 struct ChunkSpan {
   int64_t row0, rows;
 };
-int64_t plan_chunk_count(const LossPlan& p, int64_t n) {
+template <class Plan>
+int64_t plan_chunk_count(const Plan& p, int64_t n) {
   if (p.chunk_unit == 0) return chunk_count(n, p.chunk_rows);
   return chunk_count(chunk_count(n, p.chunk_unit), p.chunk_rows / p.chunk_unit);
 }
-ChunkSpan chunk_span(const LossPlan& p, int64_t n, int64_t index) {
+template <class Plan>
+ChunkSpan chunk_span(const Plan& p, int64_t n, int64_t index) {
   if (p.chunk_unit == 0) {
     const int64_t row0 = index * p.chunk_rows;
     return {row0, std::min(p.chunk_rows, n - row0)};
@@ -415,6 +417,13 @@ ChunkSpan chunk_span(const LossPlan& p, int64_t n, int64_t index) {
   const int64_t base = units / chunks, taller = units % chunks;
   const int64_t row0 = (index * base + std::min(index, taller)) * p.chunk_unit;
   return {row0, std::min((base + (index < taller ? 1 : 0)) * p.chunk_unit, n - row0)};
+}
+
+// The tallest chunk when n tokens go in as few chunks of at most `fitted` rows as fit, their
+// heights whole units spread evenly (chunk_span); a plan taking it sets chunk_unit = unit.
+int64_t spread_chunk_rows(int64_t n, int64_t fitted, int64_t unit) {
+  const int64_t units = chunk_count(n, unit);
+  return chunk_count(units, chunk_count(units, fitted / unit)) * unit;
 }
 
 // Chunks of at most `rows` evened out over n tokens (a multiple of 128 rows): a short last
@@ -475,7 +484,9 @@ int64_t whole_wave_chunk_rows(int64_t max_rows, int64_t hidden, int sms) {
 // more than the H200's L2) the one product ran its L2 at 96% of peak with 47% hits, read 37-46 GB
 // from DRAM and slowed its clock to 1.26 GHz (ncu, run 40). On a rested H200 (run 41) a forward
 // took 1.25x cuBLASLt's product at 8192 rows, 1.13x at 3072 and 1.05x at 2048, 1536 or 1024;
-// top-k at 2048 rows was the fastest of those (k 64: 1.30x -> 1.14x).
+// top-k at 2048 rows was the fastest of those (k 64: 1.30x -> 1.14x). A cap by X's bytes was no
+// better (run 42): at H 8192, 1024 rows took the rested forward from 1.08x to 1.06x but top-k
+// 0.3 ms slower hot; at H 2304, 3584 rows took it from 1.04x to 1.06x.
 constexpr int64_t kForwardProductRows = 2048;
 
 // The other layout for 16-bit gradients: a dense gradient chunk of 2 bytes per logit, filled by
@@ -634,8 +645,7 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     // 1536, whose products each ran as long as one of 2048 rows (an H200, by ncu: 3.08 ms against
     // 3.14, and 2.38 for 1536). Shorter chunks, or one chunk, stay as fitted.
     const int64_t unit = kRowStatsClusterRows;
-    const int64_t units = chunk_count(call.n_tokens, unit);
-    fitted_chunks = chunk_count(units, p.chunk_rows / unit);
+    fitted_chunks = chunk_count(chunk_count(call.n_tokens, unit), p.chunk_rows / unit);
     const bool frozen_head = grads_formed && !g.grad_weight.data;
     const int64_t wave_rows =
         frozen_head ? whole_wave_chunk_rows(p.chunk_rows, call.hidden, multiprocessor_count(call.device_index)) : 0;
@@ -643,7 +653,7 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
       p.chunk_rows = p.logits_rows = wave_rows;
     } else {
       p.chunk_unit = unit;
-      p.chunk_rows = p.logits_rows = chunk_count(units, fitted_chunks) * unit;  // the tallest
+      p.chunk_rows = p.logits_rows = spread_chunk_rows(call.n_tokens, p.chunk_rows, unit);
     }
   }
   if (p.exp_form && g.grad_hidden.data && !g.grad_weight.data && !g.grad_bias.data && !g.grad_logits.data &&
@@ -676,12 +686,21 @@ enum TopkPiece {
 struct TopkPlan {
   Layout<kTopkPieces> layout;
   int64_t chunk_rows = 0;
+  int64_t chunk_unit = 0;     // > 0: chunk heights are multiples of it, spread evenly
   int64_t logits_ld = 0;
   size_t matmul_ws = 0;
   bool from_product = false;  // the statistics product keeps each tile's largest; no logits
   bool above_bar = false;     // the statistics product keeps what passes a sampled bar; no logits
   TopkBarPlan bar;
 };
+
+// A top-k statistics product's chunks in whole rows of its clusters, spread evenly, as a
+// forward's are (plan_loss).
+void spread_product_chunks(TopkPlan& p, int64_t n) {
+  if (p.chunk_rows < kRowStatsClusterRows || p.chunk_rows >= n) return;
+  p.chunk_unit = kRowStatsClusterRows;
+  p.chunk_rows = spread_chunk_rows(n, p.chunk_rows, p.chunk_unit);
+}
 
 TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
   TopkPlan p;
@@ -696,6 +715,7 @@ TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
     const int64_t row_limit = std::min(call.n_tokens, kForwardProductRows);
     pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
     p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
+    spread_product_chunks(p, call.n_tokens);
     return p;
   }
   if (head_suits_row_stats_product(call) && topk_bar_plan(call.vocab, k, &p.bar)) {
@@ -713,6 +733,7 @@ TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
     const int64_t row_limit = std::min(call.n_tokens, kForwardProductRows);
     pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
     p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
+    spread_product_chunks(p, call.n_tokens);
     return p;
   }
   if (k > topk_shared_capacity()) {  // the device-memory sort, and each row's lse kept across it
@@ -1311,8 +1332,8 @@ class CudaBackend final : public core::Backend {
       c.partial_ld = c.tiles;
       c.head = topk_head(call);
       c.inv_temperature = float(1.0 / call.options.temperature);
-      for (int64_t row0 = 0; row0 < call.n_tokens; row0 += R) {
-        const int64_t rows = std::min(R, call.n_tokens - row0);
+      for (int64_t chunk = 0; chunk < plan_chunk_count(plan, call.n_tokens); ++chunk) {
+        const auto [row0, rows] = chunk_span(plan, call.n_tokens, chunk);
         RowStatsProductArgs product = row_stats_args(call, rows, row0);
         product.partial = partials;
         product.candidates = static_cast<uint64_t*>(piece(kTopkCandidates));
@@ -1348,8 +1369,8 @@ class CudaBackend final : public core::Backend {
       c.tiles = c.partial_ld;
       c.head = topk_head(call);
       c.redo_logits = static_cast<float*>(piece(kTopkRedo));
-      for (int64_t row0 = 0; row0 < call.n_tokens; row0 += R) {
-        const int64_t rows = std::min(R, call.n_tokens - row0);
+      for (int64_t chunk = 0; chunk < plan_chunk_count(plan, call.n_tokens); ++chunk) {
+        const auto [row0, rows] = chunk_span(plan, call.n_tokens, chunk);
         // The sample's logits: the logits product over W's rows offset + step i alone.
         MatmulShape sampled = logits_product(call, rows, kTopkSampleColumns, matmul_ws_bytes);
         sampled.m = kTopkSampleColumns;
