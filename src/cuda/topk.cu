@@ -552,6 +552,16 @@ constexpr int kRecomputeGroups = int((kMergeCapacity - kTopkFromProductMaxK) / k
 constexpr int kMaxCandidates = kCapacity;
 static_assert(kRecomputeGroups >= 1, "room to merge at least one recomputed group");
 
+// A tile's column groups as the product's epilogue holds them (row_stats_product.cuh): column i
+// of group g of tile t is 128 t + 8 (i / 2) + 2 g + i % 2; groups are numbered 4 t + g.
+__device__ int64_t group_column(int group, int i) {
+  return int64_t(group / kTopkCandidatesPerTile) * kRowStatsTileColumns + 8 * (i / 2) +
+         2 * (group % kTopkCandidatesPerTile) + i % 2;
+}
+__device__ int column_group(int j) {
+  return (j / int(kRowStatsTileColumns)) * int(kTopkCandidatesPerTile) + (j % 8) / 2;
+}
+
 struct SelectShared {
   uint64_t merge[kMergeCapacity];
   int hist[kBins];
@@ -588,18 +598,19 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
     __syncthreads();
     const int n_flagged = flagged_count;
     if (n_flagged > 0) {
-      // The top k of every other group's largest, then each flagged group's logits merged in.
+      // The flagged groups' largest leave the top k (each comes back with its group's logits).
+      // What stays is the top of every other group's largest: those beyond the k-th are below k
+      // logits already, so they need no second selection.
       for (int f = threadIdx.x; f < n_flagged; f += blockDim.x) candidates[flagged[f]] = 0;
       __syncthreads();
-      select_top(candidates, n, k, sh.merge, kMergeCapacity, select_scratch);
+      for (int i = threadIdx.x; i < k; i += blockDim.x)
+        if (sh.merge[i] != 0 && candidates[column_group(composite_id(sh.merge[i]))] == 0) sh.merge[i] = 0;
+      __syncthreads();
       for (int f0 = 0; f0 < n_flagged; f0 += kRecomputeGroups) {
         const int groups_now = min(kRecomputeGroups, n_flagged - f0);
         const int columns = groups_now * int(kTopkGroupColumns);
         for (int c = warp; c < columns; c += warps) {
-          // Column i of group g of tile t: 128 t + 8 (i / 2) + 2 g + i % 2 (row_stats_product.cuh).
-          const int group = flagged[f0 + c / kTopkGroupColumns], i = c % kTopkGroupColumns;
-          const int64_t j = int64_t(group / kTopkCandidatesPerTile) * kRowStatsTileColumns + 8 * (i / 2) +
-                            2 * (group % kTopkCandidatesPerTile) + i % 2;
+          const int64_t j = group_column(flagged[f0 + c / kTopkGroupColumns], c % kTopkGroupColumns);
           uint64_t key = 0;
           if (j < a.select.vocab) {
             const float s = head_dot<T>(a.head, t, j) * a.inv_temperature;
