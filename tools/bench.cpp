@@ -43,27 +43,9 @@ std::unique_ptr<BenchBackend> make_cuda_bench(std::string& reason) {
 
 namespace {
 
-struct Preset {
-  const char* name;
-  int64_t tokens, hidden, vocab;
-};
-// small: the whole bench (three paths, warm-up and 5 repeats, and the reference) in well under
-// a minute on two CPU cores.
-constexpr Preset kPresets[] = {
-    {"small", 512, 1024, 32000},
-    {"llama3-8b", 8192, 4096, 128256},
-    {"gemma2-2b", 8192, 2304, 256000},
-};
 // --verify auto: the float64 reference costs three double products of the problem's size.
 constexpr double kAutoVerifyMaxFlops = 2e11;
 constexpr double kMiB = 1024.0 * 1024.0;
-
-const Preset& find_preset(const std::string& name) {
-  for (const Preset& p : kPresets) {
-    if (name == p.name) return p;
-  }
-  throw std::invalid_argument("unknown preset " + name);
-}
 
 // X ~ N(0, 1), W ~ N(0, 4 / H): logits of standard deviation ~2, as a trained head gives.
 BenchInputs make_inputs(const BenchProblem& p, uint64_t seed) {
@@ -234,7 +216,7 @@ nlohmann::json json_number(double x) {
 }  // namespace
 
 int run_bench(const BenchOptions& options) {
-  const Preset& preset = find_preset(options.preset);
+  const BenchPreset& preset = find_preset(options.preset);
   BenchProblem p;
   p.tokens = options.tokens > 0 ? options.tokens : preset.tokens;
   p.hidden = options.hidden > 0 ? options.hidden : preset.hidden;

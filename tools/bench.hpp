@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,6 +18,23 @@
 #include "lmloss/lmloss.h"
 
 namespace lmloss::tools {
+
+// The heads the benches run on, by name (N, H, V). small: the whole CPU bench (three paths,
+// warm-up and 5 repeats, and the reference) in well under a minute on two cores.
+struct BenchPreset {
+  const char* name;
+  int64_t tokens, hidden, vocab;
+};
+inline constexpr BenchPreset kBenchPresets[] = {
+    {"small", 512, 1024, 32000},
+    {"llama3-8b", 8192, 4096, 128256},
+    {"gemma2-2b", 8192, 2304, 256000},
+};
+inline const BenchPreset& find_preset(const std::string& name) {
+  for (const BenchPreset& p : kBenchPresets)
+    if (name == p.name) return p;
+  throw std::invalid_argument("unknown preset " + name);
+}
 
 enum class BenchLoss { cross_entropy, distill };
 

@@ -413,6 +413,8 @@ std::unique_ptr<BenchBackend> make_cuda_bench(std::string& reason) {
 #include <cmath>
 #include <thread>
 
+#include "bench.hpp"  // the presets
+
 namespace lmloss::tools {
 namespace {
 
@@ -442,14 +444,6 @@ void fill_normal(void* out, lmloss_dtype dt, int64_t n, uint64_t seed, float std
   else fill_normal_kernel<<<blocks, 256>>>(static_cast<float*>(out), n, seed, stddev);
   cuda_check(cudaGetLastError(), "fill_normal");
 }
-
-struct Preset {
-  const char* name;
-  int64_t tokens, hidden, vocab;
-};
-constexpr Preset kPresets[] = {{"small", 512, 1024, 32000},
-                               {"llama3-8b", 8192, 4096, 128256},
-                               {"gemma2-2b", 8192, 2304, 256000}};
 
 struct Row {
   std::string mode;
@@ -871,12 +865,9 @@ int run(int argc, char** argv) {
     else if (key == "--rest-ms") rest_ms = std::stoi(value);
     else throw std::invalid_argument("unknown option " + key);
   }
-  const Preset* p = nullptr;
-  for (const Preset& candidate : kPresets)
-    if (preset == candidate.name) p = &candidate;
-  if (!p) throw std::invalid_argument("unknown preset " + preset);
-  const int64_t n = tokens > 0 ? tokens : p->tokens;
-  const int64_t h = hidden > 0 ? hidden : p->hidden, v = vocab > 0 ? vocab : p->vocab;
+  const BenchPreset& p = find_preset(preset);
+  const int64_t n = tokens > 0 ? tokens : p.tokens;
+  const int64_t h = hidden > 0 ? hidden : p.hidden, v = vocab > 0 ? vocab : p.vocab;
   const lmloss_dtype dt = dtype == "f16" ? LMLOSS_F16 : dtype == "f32" ? LMLOSS_F32 : LMLOSS_BF16;
   ModesBench bench(n, h, v, dt, repeats);
   bench.tune_products(tune);
@@ -884,7 +875,7 @@ int run(int argc, char** argv) {
   bench.set_dw_dtype(dw_dtype == "input" ? dt : LMLOSS_F32);
   bench.set_rest_ms(rest_ms);
   std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events%s%s%s\n",
-              device_description().c_str(), p->name, (long long)n, (long long)h, (long long)v,
+              device_description().c_str(), p.name, (long long)n, (long long)h, (long long)v,
               dtype.c_str(), repeats, tune ? ", products tuned" : "", dw_dtype == "input" ? ", dW in the input dtype" : "",
               rest_ms > 0 ? (", " + std::to_string(rest_ms) + " ms of rest before each timed run").c_str() : "");
   std::fflush(stdout);
@@ -923,7 +914,7 @@ int run(int argc, char** argv) {
     if (!f) throw std::runtime_error("cannot write " + json_path);
     std::fprintf(f, "{\"device\": \"%s\", \"preset\": \"%s\", \"tokens\": %lld, \"hidden\": %lld, \"vocab\": %lld, "
                     "\"dtype\": \"%s\", \"repeats\": %d, \"rows\": [",
-                 device_description().c_str(), p->name, (long long)n, (long long)h, (long long)v,
+                 device_description().c_str(), p.name, (long long)n, (long long)h, (long long)v,
                  dtype.c_str(), repeats);
     for (size_t i = 0; i < rows.size(); ++i)
       std::fprintf(f, "%s{\"mode\": \"%s\", \"budget_gib\": %.4f, \"ms\": %.4f, \"floor_ms\": %.4f, \"peak_gib\": %.4f}",
