@@ -3,7 +3,10 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
+#include <string>
+#include <vector>
 
+#include "bench.hpp"
 #include "commands.hpp"
 #include "lmloss/lmloss.h"
 
@@ -68,11 +71,15 @@ int main(int argc, char** argv) {
       "||d - ref|| / ||ref||. The reference costs about three double-precision products of the\n"
       "problem; --verify auto skips it above 2e11 flops per product. Exit status 1 when a path\n"
       "is off the reference by more than the tolerance `lmloss check` uses for the dtype.");
-  bench_cmd
-      ->add_option("--preset", bench.preset,
-                   "small (N 512, H 1024, V 32000), llama3-8b (N 8192, H 4096, V 128256), "
-                   "gemma2-2b (N 8192, H 2304, V 256000)")
-      ->check(CLI::IsMember({"small", "llama3-8b", "gemma2-2b"}))
+  std::vector<std::string> preset_names;
+  std::string preset_help;
+  for (const lmloss::tools::BenchPreset& p : lmloss::tools::kBenchPresets) {
+    preset_names.push_back(p.name);
+    preset_help += (preset_help.empty() ? "" : ", ") + std::string(p.name) + " (N " + std::to_string(p.tokens) +
+                   ", H " + std::to_string(p.hidden) + ", V " + std::to_string(p.vocab) + ")";
+  }
+  bench_cmd->add_option("--preset", bench.preset, preset_help)
+      ->check(CLI::IsMember(preset_names))
       ->capture_default_str();
   bench_cmd->add_option("--tokens", bench.tokens, "tokens N (default: the preset's)")
       ->check(CLI::PositiveNumber);
