@@ -238,6 +238,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="llama3-8b,gemma2-2b")
     ap.add_argument("--tokens", type=int, default=0, help="override N of every preset")
+    ap.add_argument("--hidden", type=int, default=0, help="override H of every preset")
+    ap.add_argument("--vocab", type=int, default=0, help="override V of every preset")
     ap.add_argument("--modes", default="fwd_bwd,dx_only,forward,distill64,topk64,topk2048")
     ap.add_argument("--methods", default="", help="comma list to keep (default: all that import)")
     ap.add_argument("--repeats", type=int, default=10)
@@ -254,8 +256,8 @@ def main():
     keep = set(filter(None, args.methods.split(",")))
     for preset in args.presets.split(","):
         n, h, v = PRESETS[preset]
-        if args.tokens:
-            n = args.tokens
+        n, h, v = args.tokens or n, args.hidden or h, args.vocab or v
+        print(f"# {preset}: N {n} H {h} V {v}", flush=True)
         x, w, y, ids, p = make_inputs(n, h, v, torch.bfloat16)
         floors = {}
         for mode in args.modes.split(","):
