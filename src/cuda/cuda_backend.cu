@@ -419,11 +419,16 @@ ChunkSpan chunk_span(const Plan& p, int64_t n, int64_t index) {
   return {row0, std::min((base + (index < taller ? 1 : 0)) * p.chunk_unit, n - row0)};
 }
 
-// The tallest chunk when n tokens go in as few chunks of at most `fitted` rows as fit, their
-// heights whole units spread evenly (chunk_span); a plan taking it sets chunk_unit = unit.
-int64_t spread_chunk_rows(int64_t n, int64_t fitted, int64_t unit) {
+// A statistics product's n tokens in as few chunks of at most the fitted p.chunk_rows as fit,
+// their heights whole rows of the product's clusters spread evenly (chunk_span); p.chunk_rows
+// becomes the tallest. Shorter chunks, or one chunk, stay as fitted.
+template <class Plan>
+void spread_in_cluster_rows(Plan& p, int64_t n) {
+  const int64_t unit = kRowStatsClusterRows;
+  if (p.chunk_rows < unit || p.chunk_rows >= n) return;
   const int64_t units = chunk_count(n, unit);
-  return chunk_count(units, chunk_count(units, fitted / unit)) * unit;
+  p.chunk_unit = unit;
+  p.chunk_rows = chunk_count(units, chunk_count(units, p.chunk_rows / unit)) * unit;
 }
 
 // Chunks of at most `rows` evened out over n tokens (a multiple of 128 rows): a short last
@@ -650,11 +655,11 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     const int64_t wave_rows =
         frozen_head ? whole_wave_chunk_rows(p.chunk_rows, call.hidden, multiprocessor_count(call.device_index)) : 0;
     if (wave_rows > 0) {
-      p.chunk_rows = p.logits_rows = wave_rows;
+      p.chunk_rows = wave_rows;
     } else {
-      p.chunk_unit = unit;
-      p.chunk_rows = p.logits_rows = spread_chunk_rows(call.n_tokens, p.chunk_rows, unit);
+      spread_in_cluster_rows(p, call.n_tokens);
     }
+    p.logits_rows = p.chunk_rows;
   }
   if (p.exp_form && g.grad_hidden.data && !g.grad_weight.data && !g.grad_bias.data && !g.grad_logits.data &&
       call.targets.labels.data && !call.has_teacher() && call.n_tokens <= kProductDimLimit &&
@@ -694,14 +699,6 @@ struct TopkPlan {
   TopkBarPlan bar;
 };
 
-// A top-k statistics product's chunks in whole rows of its clusters, spread evenly, as a
-// forward's are (plan_loss).
-void spread_product_chunks(TopkPlan& p, int64_t n) {
-  if (p.chunk_rows < kRowStatsClusterRows || p.chunk_rows >= n) return;
-  p.chunk_unit = kRowStatsClusterRows;
-  p.chunk_rows = spread_chunk_rows(n, p.chunk_rows, p.chunk_unit);
-}
-
 TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
   TopkPlan p;
   const int64_t k = call.options.k;
@@ -715,7 +712,7 @@ TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
     const int64_t row_limit = std::min(call.n_tokens, kForwardProductRows);
     pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
     p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
-    spread_product_chunks(p, call.n_tokens);
+    spread_in_cluster_rows(p, call.n_tokens);  // as a forward's (plan_loss)
     return p;
   }
   if (head_suits_row_stats_product(call) && topk_bar_plan(call.vocab, k, &p.bar)) {
@@ -733,7 +730,7 @@ TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
     const int64_t row_limit = std::min(call.n_tokens, kForwardProductRows);
     pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
     p.chunk_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
-    spread_product_chunks(p, call.n_tokens);
+    spread_in_cluster_rows(p, call.n_tokens);  // as a forward's (plan_loss)
     return p;
   }
   if (k > topk_shared_capacity()) {  // the device-memory sort, and each row's lse kept across it
@@ -1287,6 +1284,7 @@ class CudaBackend final : public core::Backend {
     if (plan.chunk_rows == 0) return budget_error(context, plan.layout.total(1));
     const auto stream = static_cast<cudaStream_t>(context.stream);
     const int64_t R = plan.chunk_rows;
+    const int64_t chunks = plan_chunk_count(plan, call.n_tokens);
 
     Workspace ws(context, state->device, stream);
     LMLOSS_CHECK(ws.acquire(plan.layout.total(R)));
@@ -1332,7 +1330,7 @@ class CudaBackend final : public core::Backend {
       c.partial_ld = c.tiles;
       c.head = topk_head(call);
       c.inv_temperature = float(1.0 / call.options.temperature);
-      for (int64_t chunk = 0; chunk < plan_chunk_count(plan, call.n_tokens); ++chunk) {
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
         const auto [row0, rows] = chunk_span(plan, call.n_tokens, chunk);
         RowStatsProductArgs product = row_stats_args(call, rows, row0);
         product.partial = partials;
@@ -1369,7 +1367,7 @@ class CudaBackend final : public core::Backend {
       c.tiles = c.partial_ld;
       c.head = topk_head(call);
       c.redo_logits = static_cast<float*>(piece(kTopkRedo));
-      for (int64_t chunk = 0; chunk < plan_chunk_count(plan, call.n_tokens); ++chunk) {
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
         const auto [row0, rows] = chunk_span(plan, call.n_tokens, chunk);
         // The sample's logits: the logits product over W's rows offset + step i alone.
         MatmulShape sampled = logits_product(call, rows, kTopkSampleColumns, matmul_ws_bytes);
