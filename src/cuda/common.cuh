@@ -156,16 +156,31 @@ struct Max {
 };
 
 // x . w in f32 over h 16-bit elements (h a multiple of 8, both 16-byte aligned), by one warp; every
-// lane gets the same sum.
+// lane gets the same sum. A lane's loads go out kDotLoadsInFlight vectors at a time, summed in the
+// order of one at a time: a row of W comes from device memory, and one load a step left each dot
+// waiting out h / 256 memory latencies.
+constexpr int kDotLoadsInFlight = 4;
 template <typename T>
 __device__ float warp_dot(const T* x, const T* w, int64_t h) {
+  constexpr int64_t kStep = 32 * 8;
   float sum = 0.f;
-  for (int64_t i = (threadIdx.x & 31) * 8; i < h; i += 32 * 8) {
-    const Vec<T> a = *reinterpret_cast<const Vec<T>*>(x + i);
-    const Vec<T> b = *reinterpret_cast<const Vec<T>*>(w + i);
+  auto add = [&sum](const Vec<T>& a, const Vec<T>& b) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum = fmaf(to_float(a.v[e]), to_float(b.v[e]), sum);
+  };
+  int64_t i = (threadIdx.x & 31) * 8;
+  for (; i + (kDotLoadsInFlight - 1) * kStep < h; i += kDotLoadsInFlight * kStep) {
+    Vec<T> a[kDotLoadsInFlight], b[kDotLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kDotLoadsInFlight; ++u) {
+      a[u] = *reinterpret_cast<const Vec<T>*>(x + i + u * kStep);
+      b[u] = *reinterpret_cast<const Vec<T>*>(w + i + u * kStep);
+    }
+#pragma unroll
+    for (int u = 0; u < kDotLoadsInFlight; ++u) add(a[u], b[u]);
   }
+  for (; i < h; i += kStep)
+    add(*reinterpret_cast<const Vec<T>*>(x + i), *reinterpret_cast<const Vec<T>*>(w + i));
   return warp_reduce(sum, Sum{});
 }
 
