@@ -3,6 +3,7 @@
 #include "cuda/topk.cuh"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include <cub/device/device_segmented_sort.cuh>
@@ -550,7 +551,13 @@ __device__ float lse_of_partials(const float4* partial, int64_t tiles, float2* s
 constexpr int kMergeCapacity = 1024;  // composites sorted at once: the top k and fresh candidates
 constexpr int kRecomputeGroups = int((kMergeCapacity - kTopkFromProductMaxK) / kTopkGroupColumns);
 constexpr int kMaxCandidates = kCapacity;
+// The first selection's radix stages stop at this many times k keys, which are then ranked (at 4,
+// ranking the ~256 keys one radix stage leaves cost more than a second stage: 0.222 against 0.188
+// ms for 2048 rows at llama3-8b, k 64, on an H200).
+constexpr int kSelectCapacity = 2;
 static_assert(kRecomputeGroups >= 1, "room to merge at least one recomputed group");
+constexpr int kRankKeysPerThread = 2;  // keys a thread ranks (keep_top_ranked)
+static_assert(kMergeCapacity <= kRankKeysPerThread * kTopkThreads, "room to rank a whole merge");
 
 // A tile's column groups as the product's epilogue holds them (row_stats_product.cuh): column i
 // of group g of tile t is 128 t + 8 (i / 2) + 2 g + i % 2; groups are numbered 4 t + g.
@@ -562,14 +569,88 @@ __device__ int column_group(int j) {
   return (j / int(kRowStatsTileColumns)) * int(kTopkCandidatesPerTile) + (j % 8) / 2;
 }
 
+// keys[0, n) = list[0, n) by asynchronous 16-byte copies (list and keys 16-byte aligned), every
+// thread's copies in flight at once: start_copy_list sends them, finish_copy_list waits for them
+// and synchronises the block, so other reads can go out between. (Copied a key at a time, each
+// store waited on its load: 17% of the list kernel's stall samples at k 2048 on an H200. With this
+// copy and find_digit over the whole block, the list kernel took 1.18 ms for 8192 rows at
+// gemma2-2b instead of 1.65, 0.88 instead of 1.16 at llama3-8b.)
+__device__ void start_copy_list(uint64_t* keys, const uint64_t* list, int n) {
+  for (int i = threadIdx.x; 2 * i + 1 < n; i += blockDim.x) __pipeline_memcpy_async(keys + 2 * i, list + 2 * i, 16);
+  __pipeline_commit();
+  if ((n & 1) && threadIdx.x == 0) keys[n - 1] = list[n - 1];
+}
+__device__ void finish_copy_list() {
+  __pipeline_wait_prior(0);
+  __syncthreads();
+}
+__device__ void copy_list(uint64_t* keys, const uint64_t* list, int n) {
+  start_copy_list(keys, list, n);
+  finish_copy_list();
+}
+
+// The keys of keys[0, count) a thread holds, and each one's rank: how many keys are larger, ties
+// (zeros) by position, so every rank below count is taken once. Thread i holds keys i + e blockDim
+// (count <= kPerThread blockDim); only the warps holding keys scan them, as broadcast reads.
+// (Sorting the few hundred keys a radix stage leaves fell to one or two warps of the block while
+// the others waited at a barrier: 18% of the candidates kernel's stall samples at k 64.)
+template <int kPerThread>
+struct RankedKeys {
+  uint64_t key[kPerThread];
+  int rank[kPerThread];
+};
+template <int kPerThread>
+__device__ RankedKeys<kPerThread> rank_keys(const uint64_t* keys, int count) {
+  RankedKeys<kPerThread> m;
+#pragma unroll
+  for (int e = 0; e < kPerThread; ++e) {
+    const int i = int(threadIdx.x) + e * int(blockDim.x);
+    m.key[e] = i < count ? keys[i] : 0;
+    m.rank[e] = 0;
+  }
+  if (int(threadIdx.x & ~31u) < count) {
+    for (int j = 0; j < count; ++j) {
+      const uint64_t other = keys[j];
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        const int i = int(threadIdx.x) + e * int(blockDim.x);
+        m.rank[e] += other > m.key[e] || (other == m.key[e] && j < i);
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kPerThread; ++e)
+    if (int(threadIdx.x) + e * int(blockDim.x) >= count) m.rank[e] = INT_MAX;  // holds no key
+  return m;
+}
+
+// keys[0, k) = the k largest of keys[0, count), descending, each put at its rank (zeros after every
+// nonzero key, and in [count, k) where count < k). Returns the thread's keys and ranks.
+__device__ RankedKeys<kRankKeysPerThread> keep_top_ranked(uint64_t* keys, int count, int k) {
+  const RankedKeys<kRankKeysPerThread> m = rank_keys<kRankKeysPerThread>(keys, count);
+  __syncthreads();  // every key read before any moves
+#pragma unroll
+  for (int e = 0; e < kRankKeysPerThread; ++e)
+    if (m.rank[e] < k) keys[m.rank[e]] = m.key[e];
+  for (int i = count + int(threadIdx.x); i < k; i += blockDim.x) keys[i] = 0;
+  __syncthreads();
+  return m;
+}
+
 struct SelectShared {
   uint64_t merge[kMergeCapacity];
   int hist[kBins];
   int digit, above, count;
 };
 
+// Three rows in flight an SM where their candidates fit (V 128256: 49 KiB of shared memory a
+// block; at V 256000 two): the kernel waits on device memory, the candidates and the recomputed
+// groups' rows of W. (At 58 registers a thread, two blocks an SM: 0.207 ms for 2048 rows at
+// llama3-8b on an H200; at 40, three: 0.154 ms.)
+constexpr int kCandidatesBlocksPerSM = 3;
+
 template <typename T>
-__global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const TopkCandidatesArgs a) {
+__global__ void __launch_bounds__(kTopkThreads, kCandidatesBlocksPerSM) topk_candidates_kernel(const TopkCandidatesArgs a) {
   extern __shared__ uint64_t candidates[];  // (n) of the row
   __shared__ SelectShared sh;
   __shared__ float2 maxsum_scratch[32];
@@ -584,17 +665,41 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
   for (int64_t r = blockIdx.x; r < a.select.rows; r += gridDim.x) {
     const int64_t t = a.select.row0 + r;
     const uint64_t* row = a.candidates + r * a.candidates_ld;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) candidates[i] = row[i];
     if (threadIdx.x == 0) flagged_count = 0;
+    // The partials' reads go out beside the candidates' copies.
+    start_copy_list(candidates, row, n);
+    const float lse = a.select.renormalize ? 0.f : lse_of_partials(a.partial + r * a.partial_ld, a.tiles, maxsum_scratch);
+    finish_copy_list();
+
+    // The radix stages narrow the candidates to at most kSelectCapacity k, gathered into merge.
+    const TopBound bound = bound_top(candidates, n, k, kSelectCapacity * k, select_scratch);
+    if (threadIdx.x == 0) sh.count = 0;
     __syncthreads();
-    select_top(candidates, n, k, sh.merge, kMergeCapacity, select_scratch);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const uint64_t c = candidates[i];
+      const bool take = bound.takes(c);
+      const int at = warp_append(&sh.count, take);
+      if (take) sh.merge[at] = c;
+    }
+    __syncthreads();
+    const int gathered = sh.count;
+    // Each gathered key's group's second-largest value, read before the ranking that hides its wait.
+    const uint32_t* seconds = a.seconds + r * a.candidates_ld;
+    uint32_t second[kRankKeysPerThread];
+#pragma unroll
+    for (int e = 0; e < kRankKeysPerThread; ++e) {
+      const int i = int(threadIdx.x) + e * int(blockDim.x);
+      const uint64_t c = i < gathered ? sh.merge[i] : 0;
+      second[e] = c != 0 ? seconds[column_group(composite_id(c))] : 0;
+    }
+    const RankedKeys<kRankKeysPerThread> top = keep_top_ranked(sh.merge, gathered, k);
 
     // A selected group whose second-largest value reaches the k-th may hold more of the top k.
-    const uint64_t kth = sh.merge[k - 1];
-    const uint32_t kth_key = uint32_t(kth >> 32);
-    const uint32_t* seconds = a.seconds + r * a.candidates_ld;
-    for (int g = threadIdx.x; g < n; g += blockDim.x)
-      if (candidates[g] != 0 && candidates[g] >= kth && seconds[g] >= kth_key) flagged[atomicAdd(&flagged_count, 1)] = g;
+    const uint32_t kth_key = uint32_t(sh.merge[k - 1] >> 32);
+#pragma unroll
+    for (int e = 0; e < kRankKeysPerThread; ++e)
+      if (top.rank[e] < k && top.key[e] != 0 && second[e] >= kth_key)
+        flagged[atomicAdd(&flagged_count, 1)] = column_group(composite_id(top.key[e]));
     __syncthreads();
     const int n_flagged = flagged_count;
     if (n_flagged > 0) {
@@ -618,11 +723,11 @@ __global__ void __launch_bounds__(kTopkThreads) topk_candidates_kernel(const Top
           }
           if (lane == 0) sh.merge[k + c] = key;
         }
-        sort_desc_padded(sh.merge, k + columns);
+        __syncthreads();
+        keep_top_ranked(sh.merge, k + columns, k);
       }
     }
 
-    const float lse = a.select.renormalize ? 0.f : lse_of_partials(a.partial + r * a.partial_ld, a.tiles, maxsum_scratch);
     write_output(a.select, t, sh.merge, lse, sum_scratch);
     __syncthreads();
   }
@@ -688,19 +793,6 @@ __global__ void __launch_bounds__(kBarThreads) topk_bar_kernel(const TopkBarArgs
 __device__ bool kept_list_holds_top_k(const TopkKeptArgs& a, int64_t r) {
   const int32_t n = a.kept_count[r];
   return n >= a.select.k && n <= a.kept_ld;
-}
-
-// keys[0, n) = list[0, n) by asynchronous 16-byte copies (list and keys 16-byte aligned), every
-// thread's copies in flight at once; synchronises the block. (Copied a key at a time, each store
-// waited on its load: 17% of the list kernel's stall samples at k 2048 on an H200. With this
-// copy and find_digit over the whole block, the list kernel took 1.18 ms for 8192 rows at
-// gemma2-2b instead of 1.65, 0.88 instead of 1.16 at llama3-8b.)
-__device__ void copy_list(uint64_t* keys, const uint64_t* list, int n) {
-  for (int i = threadIdx.x; 2 * i + 1 < n; i += blockDim.x) __pipeline_memcpy_async(keys + 2 * i, list + 2 * i, 16);
-  __pipeline_commit();
-  if ((n & 1) && threadIdx.x == 0) keys[n - 1] = list[n - 1];
-  __pipeline_wait_prior(0);
-  __syncthreads();
 }
 
 // One block per row whose list holds its top k. The list is copied into shared memory when it

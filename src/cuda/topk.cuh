@@ -20,7 +20,7 @@
 // product keeps, for each row and each 32-column group of a tile (the columns one thread of a
 // quad holds), the group's largest logit as a candidate and its second-largest value, and one
 // block per row selects the k largest candidates in shared memory (a radix select over the
-// 64-bit composites, then a sort of the few left). The top k of the row are among them unless a
+// 64-bit composites down to at most 2k, each of those then put at its rank among them). The top k of the row are among them unless a
 // group holds two or more of them: then that group is selected and its second value reaches the
 // selection's k-th (the k-th of a subset is at most the true k-th). Such groups (at k 64 and a
 // 4008-group row, about one a row for unordered logits; many where logits tie) are recomputed in
