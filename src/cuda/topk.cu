@@ -548,7 +548,7 @@ __device__ float lse_of_partials(const float4* partial, int64_t tiles, float2* s
   return block_lse(acc, scratch);
 }
 
-constexpr int kMergeCapacity = 1024;  // composites sorted at once: the top k and fresh candidates
+constexpr int kMergeCapacity = 1024;  // composites ranked at once: the top k and fresh candidates
 constexpr int kRecomputeGroups = int((kMergeCapacity - kTopkFromProductMaxK) / kTopkGroupColumns);
 constexpr int kMaxCandidates = kCapacity;
 // The first selection's radix stages stop at this many times k keys, which are then ranked (at 4,
