@@ -7,9 +7,11 @@ gradient filtering, and exact with filter_eps=None), and lmloss itself (lmloss.t
 lmloss.topk for top-k; for fwd+bwd also its fused op alone, "lmloss-op"), when they import.
 Each row: median time of CUDA events around the step (L2 flushed before every run), the peak
 extra device memory over the inputs (gradients included), and the floor: the bare torch.matmul
-products of the same step (forward; + dX; + dW) timed in the same run. With --accuracy the
-cross-entropy steps are also compared with a float64 reference of the same bf16 inputs (loss, dX,
-dW; relative error of the norm). With --profile each step's kernels are summed by name from one
+products of the same step (forward; + dX; + dW) timed right before the method, on the card as the
+method finds it (a card warmed by the methods before runs slower; timed once for all, the floor
+favoured the first methods). With --rounds R the methods run R times, in reverse order every
+other round, a row for each. With --accuracy the cross-entropy steps are also compared with a
+float64 reference of the same bf16 inputs (loss, dX, dW; relative error of the norm). With --profile each step's kernels are summed by name from one
 run under torch.profiler. Prints a table and writes JSON.
 
   python3 bench/peers.py --presets llama3-8b,gemma2-2b --json peers.json
@@ -243,6 +245,8 @@ def main():
     ap.add_argument("--modes", default="fwd_bwd,dx_only,forward,distill64,topk64,topk2048")
     ap.add_argument("--methods", default="", help="comma list to keep (default: all that import)")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the methods this many times, in reverse order every other round")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", action="store_true",
                     help="also each step's kernels by device time (torch.profiler, one run)")
@@ -259,54 +263,55 @@ def main():
         n, h, v = args.tokens or n, args.hidden or h, args.vocab or v
         print(f"# {preset}: N {n} H {h} V {v}", flush=True)
         x, w, y, ids, p = make_inputs(n, h, v, torch.bfloat16)
-        floors = {}
         for mode in args.modes.split(","):
             want_dx, want_dw, count = MODES[mode]
-            if count not in floors:
-                floors[count] = timed(floor_fn(x, w, count), args.repeats)[0]
-                if args.profile:
-                    print_kernels(f"{preset} {mode} floor", *kernel_profile(floor_fn(x, w, count)))
+            if args.profile:
+                print_kernels(f"{preset} {mode} floor", *kernel_profile(floor_fn(x, w, count)))
             ref_dx = None
             ref64 = float64_reference(x, w, y) if args.accuracy and mode == "fwd_bwd" else None
-            for name, fn in {**methods(mode, y, ids, p), **lmloss_methods(mode, y, ids, p)}.items():
-                if keep and name not in keep:
-                    continue
-                t0 = time.time()
-                try:
-                    no_autograd = name.endswith("-op")  # gradients from the op itself
-                    run = step(fn, x, w, want_dx and not no_autograd, want_dw and not no_autograd)
-                    ms, peak = timed(run, args.repeats)
-                    err = None
-                    err64 = None
-                    if want_dx and not no_autograd:
-                        loss, dx, dw = run()
-                        if name == "naive":
-                            ref_dx = dx.detach().clone()
-                        elif ref_dx is not None:
-                            err = relative_error(dx, ref_dx)
-                        if ref64 is not None:
-                            err64 = [relative_error(loss.detach().double(), ref64[0]),
-                                     relative_error(dx, ref64[1]), relative_error(dw, ref64[2])]
-                        del loss, dx, dw
-                except Exception as e:  # noqa: BLE001 - a peer failing is a row, not a crash
-                    print(f"# {preset} {mode} {name}: failed: {e}", file=sys.stderr)
-                    continue
-                row = dict(preset=preset, tokens=n, hidden=h, vocab=v, mode=mode, method=name, ms=ms,
-                           floor_ms=floors[count], ratio=ms / floors[count], peak_gib=peak / 2**30,
-                           dx_rel_err_vs_naive=err, wall_s=time.time() - t0)
-                if err64 is not None:
-                    row.update(loss_rel_err_f64=err64[0], dx_rel_err_f64=err64[1], dw_rel_err_f64=err64[2])
-                rows.append(row)
-                print(f"{preset:10s} N {n:6d} {mode:9s} {name:14s} {ms:9.3f} ms  floor {floors[count]:8.3f}"
-                      f"  x{ms / floors[count]:.3f}  peak {peak / 2**30:6.2f} GiB"
-                      + (f"  dX err vs naive {err:.2e}" if err is not None else "")
-                      + ("  vs f64: loss {:.1e} dX {:.1e} dW {:.1e}".format(*err64) if err64 else ""),
-                      flush=True)
-                if args.profile:
-                    total, kernels = kernel_profile(run)
-                    print_kernels(f"{name} (the step {ms:.3f} ms)", total, kernels)
-                    rows[-1].update(kernel_ms=total, kernels=kernels)
-                torch.cuda.empty_cache()
+            fns = {**methods(mode, y, ids, p), **lmloss_methods(mode, y, ids, p)}
+            names = [name for name in fns if not keep or name in keep]
+            for round_index in range(args.rounds):
+                first = round_index == 0  # errors and profiles are taken once
+                for name in names if round_index % 2 == 0 else names[::-1]:
+                    t0 = time.time()
+                    floor_ms = timed(floor_fn(x, w, count), args.repeats)[0]
+                    try:
+                        no_autograd = name.endswith("-op")  # gradients from the op itself
+                        run = step(fns[name], x, w, want_dx and not no_autograd, want_dw and not no_autograd)
+                        ms, peak = timed(run, args.repeats)
+                        err = None
+                        err64 = None
+                        if want_dx and not no_autograd and first:
+                            loss, dx, dw = run()
+                            if name == "naive":
+                                ref_dx = dx.detach().clone()
+                            elif ref_dx is not None:
+                                err = relative_error(dx, ref_dx)
+                            if ref64 is not None:
+                                err64 = [relative_error(loss.detach().double(), ref64[0]),
+                                         relative_error(dx, ref64[1]), relative_error(dw, ref64[2])]
+                            del loss, dx, dw
+                    except Exception as e:  # noqa: BLE001 - a peer failing is a row, not a crash
+                        print(f"# {preset} {mode} {name}: failed: {e}", file=sys.stderr)
+                        continue
+                    row = dict(preset=preset, tokens=n, hidden=h, vocab=v, mode=mode, method=name, ms=ms,
+                               floor_ms=floor_ms, ratio=ms / floor_ms, peak_gib=peak / 2**30,
+                               dx_rel_err_vs_naive=err, round=round_index, wall_s=time.time() - t0)
+                    if err64 is not None:
+                        row.update(loss_rel_err_f64=err64[0], dx_rel_err_f64=err64[1], dw_rel_err_f64=err64[2])
+                    rows.append(row)
+                    print(f"{preset:10s} N {n:6d} {mode:9s} {name:14s} {ms:9.3f} ms  floor {floor_ms:8.3f}"
+                          f"  x{ms / floor_ms:.3f}  peak {peak / 2**30:6.2f} GiB"
+                          + (f"  round {round_index}" if args.rounds > 1 else "")
+                          + (f"  dX err vs naive {err:.2e}" if err is not None else "")
+                          + ("  vs f64: loss {:.1e} dX {:.1e} dW {:.1e}".format(*err64) if err64 else ""),
+                          flush=True)
+                    if args.profile and first:
+                        total, kernels = kernel_profile(run)
+                        print_kernels(f"{name} (the step {ms:.3f} ms)", total, kernels)
+                        rows[-1].update(kernel_ms=total, kernels=kernels)
+                    torch.cuda.empty_cache()
             if ref64 is not None and "lmloss" in lmloss_methods(mode, y, ids, p):
                 # The weight gradient as the library accumulates it for a 16-bit head, in float32,
                 # before the autograd layer rounds it to the parameter's bfloat16.
