@@ -19,6 +19,7 @@ run under torch.profiler. Prints a table and writes JSON.
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 
@@ -312,6 +313,14 @@ def main():
                         print_kernels(f"{name} (the step {ms:.3f} ms)", total, kernels)
                         rows[-1].update(kernel_ms=total, kernels=kernels)
                     torch.cuda.empty_cache()
+            if args.rounds > 1:
+                for name in names:
+                    mine = [r for r in rows if r["preset"] == preset and r["mode"] == mode
+                            and r["method"] == name and "ms" in r]
+                    if mine:
+                        ms = statistics.median(r["ms"] for r in mine)
+                        ratio = statistics.median(r["ratio"] for r in mine)
+                        print(f"# {preset} {mode} {name}: median of {len(mine)} rounds {ms:.3f} ms x{ratio:.3f}")
             if ref64 is not None and "lmloss" in lmloss_methods(mode, y, ids, p):
                 # The weight gradient as the library accumulates it for a 16-bit head, in float32,
                 # before the autograd layer rounds it to the parameter's bfloat16.
