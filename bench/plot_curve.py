@@ -10,6 +10,7 @@ matplotlib (pip install matplotlib).
   python3 bench/plot_curve.py bench/cuda_h200_llama3-8b.json bench/peers_h200.json docs/budget_curve.png
 """
 import json
+import statistics
 import sys
 
 import matplotlib
@@ -33,12 +34,18 @@ def main(modes_path, peers_path, out_path, preset="llama3-8b"):
         ax.annotate(f"{r['budget_gib']:g}", (r["peak_gib"], r["ms"] / r["floor_ms"]), textcoords="offset points",
                     xytext=(4, 4), fontsize=7, color="C0")
     markers = {"naive": "s", "torch.compile": "D", "liger": "^", "cce": "v", "cce-exact": "x"}
-    # Timed rows only: with --accuracy, peers.py adds rows of errors alone.
-    timed = (p for p in peers["rows"] if p["preset"] == preset and p["mode"] == "fwd_bwd" and "ms" in p)
-    for i, r in enumerate(timed):
-        extra = max(r["peak_gib"] - GRADS_GIB[preset], 0.01)
-        ax.plot([extra], [r["ms"] / r["floor_ms"]], markers.get(r["method"], "o"), color=f"C{i + 1}",
-                label=f"{NAMES.get(r['method'], r['method'])} ({r['ms']:.1f} ms)")
+    # Timed rows only: with --accuracy, peers.py adds rows of errors alone. A method timed in
+    # several rounds (--rounds) is one point: the medians of its rounds.
+    by_method = {}
+    for p in peers["rows"]:
+        if p["preset"] == preset and p["mode"] == "fwd_bwd" and "ms" in p:
+            by_method.setdefault(p["method"], []).append(p)
+    for i, (method, rounds) in enumerate(by_method.items()):
+        ms = statistics.median(r["ms"] for r in rounds)
+        ratio = statistics.median(r["ms"] / r["floor_ms"] for r in rounds)
+        extra = max(statistics.median(r["peak_gib"] for r in rounds) - GRADS_GIB[preset], 0.01)
+        ax.plot([extra], [ratio], markers.get(method, "o"), color=f"C{i + 1}",
+                label=f"{NAMES.get(method, method)} ({ms:.1f} ms)")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_xlabel("peak memory beyond inputs and gradients (GiB, log scale)")
