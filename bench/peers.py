@@ -11,8 +11,9 @@ products of the same step (forward; + dX; + dW) timed right before the method, o
 method finds it (a card warmed by the methods before runs slower; timed once for all, the floor
 favoured the first methods). With --rounds R the methods run R times, in reverse order every
 other round, a row for each. With --accuracy the cross-entropy steps are also compared with a
-float64 reference of the same bf16 inputs (loss, dX, dW; relative error of the norm). With --profile each step's kernels are summed by name from one
-run under torch.profiler. Prints a table and writes JSON.
+float64 reference of the same bf16 inputs (loss, dX, dW; relative error of the norm). With
+--profile each step's kernels are summed by name from one run under torch.profiler. Prints a
+table and writes JSON.
 
   python3 bench/peers.py --presets llama3-8b,gemma2-2b --json peers.json
 """
@@ -300,7 +301,8 @@ def main():
                                floor_ms=floor_ms, ratio=ms / floor_ms, peak_gib=peak / 2**30,
                                dx_rel_err_vs_naive=err, round=round_index, wall_s=time.time() - t0)
                     if err64 is not None:
-                        row.update(loss_rel_err_f64=err64[0], dx_rel_err_f64=err64[1], dw_rel_err_f64=err64[2])
+                        row.update(loss_rel_err_f64=err64[0], dx_rel_err_f64=err64[1],
+                                   dw_rel_err_f64=err64[2])
                     rows.append(row)
                     print(f"{preset:10s} N {n:6d} {mode:9s} {name:14s} {ms:9.3f} ms  floor {floor_ms:8.3f}"
                           f"  x{ms / floor_ms:.3f}  peak {peak / 2**30:6.2f} GiB"
@@ -320,7 +322,8 @@ def main():
                     if mine:
                         ms = statistics.median(r["ms"] for r in mine)
                         ratio = statistics.median(r["ratio"] for r in mine)
-                        print(f"# {preset} {mode} {name}: median of {len(mine)} rounds {ms:.3f} ms x{ratio:.3f}")
+                        print(f"# {preset} {mode} {name}: median of {len(mine)} rounds {ms:.3f} ms"
+                              f" x{ratio:.3f}")
             if ref64 is not None and "lmloss" in lmloss_methods(mode, y, ids, p):
                 # The weight gradient as the library accumulates it for a 16-bit head, in float32,
                 # before the autograd layer rounds it to the parameter's bfloat16.
