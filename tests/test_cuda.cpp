@@ -532,8 +532,8 @@ TEST_F(Cuda, TopkFromTheProductMatchesReference) {
           ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
           expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
           const size_t tiles = size_t((shape.vocab + 127) / 128);
-          // 48 bytes per row and tile, 64 with the statistics the tail's lse needs.
-          const size_t per_tile = renormalize ? 48 : 64;
+          // 64 bytes per row and tile, 80 with the statistics the tail's lse needs.
+          const size_t per_tile = renormalize ? 64 : 80;
           EXPECT_LT(ctx.peak_workspace(), size_t(shape.n_tokens) * tiles * per_tile + (size_t(1) << 20));
           const std::vector<int64_t> ids = tc.ids.ids();
           const std::vector<double> probs = tc.probs.values();
@@ -575,31 +575,53 @@ TEST_F(Cuda, TopkFromTheProductOfAWideVocabularyInBothDtypes) {
 }
 
 // The same path where a column group holds more of the top k than its one candidate: a head
-// whose first 100 logits of every row are the largest (exact in 16 bits, 4 + j/16), so the first
-// tile's groups are recomputed in full and merged; and a head whose logits all tie (every row
-// of W the same), where the selection recomputes group after group.
+// whose 64 largest logits of every row are two in each of the first 32 groups (exact in 16 bits,
+// 4 + m/16, at places in the group that vary), so each group's second joins the selection; a
+// head whose first 100 logits are the largest, so the first tile's groups hold 25 each and are
+// recomputed in full and merged; and a head whose logits all tie (every row of W the same),
+// where the selection recomputes group after group.
 TEST_F(Cuda, TopkFromTheProductRecomputesGroups) {
   if (!statistics_product_expected())
     GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
   Generator gen(4016);
   const int64_t n = 50, V = 4099, H = 64;  // 32 whole tiles: room for k 128
-  reference::Problem clustered = gen.problem({.n_tokens = n, .vocab = V, .hidden = H});
-  for (int64_t t = 0; t < n; ++t) clustered.hidden_states[t * H] = 1.0;
-  for (int64_t j = 0; j < V; ++j)
-    for (int64_t h = 0; h < H; ++h) {
-      double& w = clustered.weight[j * H + h];
-      w = j < 100 ? (h == 0 ? 4.0 + double(j) / 16 : 0.0) : w / 16;
-    }
+  // Column of place i (0-31) of column group g: the product's layout, 128 (g / 4) + 8 (i / 2) + 2 (g % 4) + i % 2.
+  auto group_column = [](int64_t g, int64_t i) { return 128 * (g / 4) + 8 * (i / 2) + 2 * (g % 4) + i % 2; };
+  // Head whose logits of the columns large[m] (m < count) are 4 + m/16 for every row, the rest small.
+  auto head_with_largest = [&](const std::vector<int64_t>& large) {
+    reference::Problem p = gen.problem({.n_tokens = n, .vocab = V, .hidden = H});
+    for (int64_t t = 0; t < n; ++t) p.hidden_states[t * H] = 1.0;
+    for (int64_t j = 0; j < V; ++j)
+      for (int64_t h = 0; h < H; ++h) p.weight[j * H + h] = h == 0 ? 0.0 : p.weight[j * H + h] / 16;
+    for (size_t m = 0; m < large.size(); ++m)
+      for (int64_t h = 0; h < H; ++h) p.weight[large[m] * H + h] = h == 0 ? 4.0 + double(m) / 16 : 0.0;
+    return p;
+  };
+  std::vector<int64_t> paired_columns, first_columns;
+  for (int64_t g = 0; g < 32; ++g) {
+    paired_columns.push_back(group_column(g, (7 * g) % 32));
+    paired_columns.push_back(group_column(g, (7 * g + 13) % 32));
+  }
+  for (int64_t j = 0; j < 100; ++j) first_columns.push_back(j);
+  struct Head {
+    const char* name;
+    reference::Problem problem;
+    std::vector<int64_t> largest;  // ascending logits; empty where they tie
+  };
+  std::vector<Head> heads;
+  heads.push_back({"paired", head_with_largest(paired_columns), paired_columns});
+  heads.push_back({"clustered", head_with_largest(first_columns), first_columns});
   reference::Problem tied = gen.problem({.n_tokens = n, .vocab = V, .hidden = H});
   for (int64_t j = 1; j < V; ++j)
     for (int64_t h = 0; h < H; ++h) tied.weight[j * H + h] = tied.weight[h];
-  for (const bool is_tied : {false, true}) {
+  heads.push_back({"tied", tied, {}});
+  for (const Head& head : heads) {
     for (const int64_t k : {int64_t(64), int64_t(128)}) {
-      SCOPED_TRACE(std::string(is_tied ? "tied" : "clustered") + " k " + std::to_string(k));
+      SCOPED_TRACE(std::string(head.name) + " k " + std::to_string(k));
       lmloss_topk_options o = lmloss_topk_options_default();
       o.k = k;
       o.renormalize = 0;
-      TopkCase tc(is_tied ? tied : clustered, o, {.device = Device::cuda, .dtype = LMLOSS_BF16});
+      TopkCase tc(head.problem, o, {.device = Device::cuda, .dtype = LMLOSS_BF16});
       lmloss::Context ctx;
       ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
       expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
@@ -607,10 +629,11 @@ TEST_F(Cuda, TopkFromTheProductRecomputesGroups) {
       const std::vector<int64_t> ids = tc.ids.ids();
       ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
       EXPECT_EQ(ids, tc.ids.ids());
-      if (!is_tied) {  // the 100 largest are exact and distinct: the first k columns, in order
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t i = 0; i < k && i < 100; ++i) ASSERT_EQ(ids[t * k + i], 99 - i) << "token " << t;
-      }
+      // The largest are exact and distinct: they come first, in order.
+      const int64_t count = int64_t(head.largest.size());
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t i = 0; i < k && i < count; ++i)
+          ASSERT_EQ(ids[t * k + i], head.largest[size_t(count - 1 - i)]) << "token " << t << " place " << i;
     }
   }
 }

@@ -684,7 +684,7 @@ TopkHead topk_head(const core::TopkCall& call) {
 
 enum TopkPiece {
   kTopkLogits, kTopkMatmulWs, kTopkSort, kTopkScalars, kTopkLse, kTopkBias,
-  kTopkCandidates, kTopkSeconds, kTopkPartials, kTopkProductWs,
+  kTopkCandidates, kTopkRunnersUp, kTopkPartials, kTopkProductWs,
   kTopkKept, kTopkSample, kTopkRedo, kTopkBar, kTopkKeptCount, kTopkPieces
 };
 
@@ -707,7 +707,7 @@ TopkPlan plan_topk(const lmloss_context& context, const core::TopkCall& call) {
     p.from_product = true;
     const size_t tiles = size_t(row_stats_tiles(call.vocab));
     pc[kTopkCandidates] = {0, sizeof(uint64_t) * kTopkCandidatesPerTile * tiles, 256};
-    pc[kTopkSeconds] = {0, sizeof(uint32_t) * kTopkCandidatesPerTile * tiles, 256};
+    pc[kTopkRunnersUp] = {0, sizeof(uint64_t) * kTopkCandidatesPerTile * tiles, 256};
     if (!call.options.renormalize) pc[kTopkPartials] = {0, sizeof(float4) * tiles, 256};  // for the lse
     const int64_t row_limit = std::min(call.n_tokens, kForwardProductRows);
     pc[kTopkProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
@@ -1321,7 +1321,7 @@ class CudaBackend final : public core::Backend {
     if (plan.from_product) {
       TopkCandidatesArgs c;
       c.candidates = static_cast<const uint64_t*>(piece(kTopkCandidates));
-      c.seconds = static_cast<const uint32_t*>(piece(kTopkSeconds));
+      c.runners_up = static_cast<const uint64_t*>(piece(kTopkRunnersUp));
       c.tiles = row_stats_tiles(call.vocab);
       c.candidates_ld = c.tiles * kTopkCandidatesPerTile;
       // Probabilities renormalised over the k need no lse: the product then keeps no statistics.
@@ -1335,7 +1335,7 @@ class CudaBackend final : public core::Backend {
         RowStatsProductArgs product = row_stats_args(call, rows, row0);
         product.partial = partials;
         product.candidates = static_cast<uint64_t*>(piece(kTopkCandidates));
-        product.seconds = static_cast<uint32_t*>(piece(kTopkSeconds));
+        product.runners_up = static_cast<uint64_t*>(piece(kTopkRunnersUp));
         product.candidates_ld = c.candidates_ld;
         LMLOSS_CHECK(run_row_stats_product(product, piece(kTopkProductWs), stream));
         c.select = a;

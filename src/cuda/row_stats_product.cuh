@@ -10,8 +10,9 @@
 //                   - kExpFormMargin): at most e^60, whatever the row (the exponential form)
 //   candidates[r, t * kTopkCandidatesPerTile + g] = the largest (s_rj, j) of column group g of tile t
 //                   (columns 128 t + 8 i + 2 g + e, i < 16, e < 2) as a top-k composite (topk_keys.cuh),
-//                   0 for none; seconds[r, same] = the group's second-largest s as an order key, 0 for
-//                   none (optional, both)
+//                   0 for none; runners_up[r, same] = the group's second-largest s as an order key
+//                   with its place in the group and a bound on the third's key (topk_keys.cuh), 0
+//                   for none (optional, both)
 //   kept[r, 0 .. kept_count[r]) = every (s_rj, j) with z_rj >= keep_above[r] (the accumulator,
 //                   before the scaling by 1/T) as a top-k composite, in no order; kept_count[r]
 //                   counts on past kept_ld, where the list stops (optional, instead of candidates)
@@ -25,9 +26,9 @@
 // statistics (lse, s at the label) stay exact, and since s - max is near 0 where the softmax is
 // large, its 16-bit rounding costs the gradient least where it matters (a bf16 logit of 20 is
 // off by up to 0.04, a shifted one of -0.5 by 0.001). A top-k call has the product keep each
-// row's largest and second-largest value of every 32-column group instead, exact (the
-// accumulators' own), so its selection reads 48 bytes per row and tile instead of a 512-byte f32
-// logits row segment written and read back (topk.cuh); for larger k it keeps every logit at or
+// row's three largest values of every 32-column group instead (the first two exact, the
+// accumulators' own), so it writes 64 bytes per row and tile, half of them read back by the selection,
+// instead of a 512-byte f32 logits row segment written and read back (topk.cuh); for larger k it keeps every logit at or
 // above a bar per row taken from a sample of the row, a few percent of them. Heads with a bias or soft-capping keep the cuBLASLt path: their
 // per-logit work belongs in the memory-bound row kernel, not between the product's main loops.
 // Built with CUTLASS for sm_90a when its headers were found at configure time
@@ -55,7 +56,7 @@ constexpr int64_t kRowStatsClusterRows = 256;
 constexpr float kExpFormMargin = 60.f;
 
 // Column groups of a tile for top-k, each the 32 columns one thread of a quad holds: each keeps its
-// largest logit (a candidate) and its second-largest value.
+// largest logit (a candidate) and its runners-up.
 constexpr int64_t kTopkCandidatesPerTile = 4;
 constexpr int64_t kTopkGroupColumns = kRowStatsTileColumns / kTopkCandidatesPerTile;
 
@@ -82,7 +83,7 @@ struct RowStatsProductArgs {
   int64_t shifted_ld = 0;
   const float* exp_shift = nullptr;  // (rows), optional: shifted in the exponential form
   uint64_t* candidates = nullptr;    // (rows, candidates_ld >= kTopkCandidatesPerTile * tiles), optional
-  uint32_t* seconds = nullptr;       // (rows, candidates_ld), with candidates
+  uint64_t* runners_up = nullptr;    // (rows, candidates_ld), with candidates
   int64_t candidates_ld = 0;
   const float* keep_above = nullptr;  // (rows), optional, not with candidates: keep z >= keep_above[r]
   uint64_t* kept = nullptr;           // (rows, kept_ld), with keep_above

@@ -556,6 +556,7 @@ constexpr int kMaxCandidates = kCapacity;
 // ms for 2048 rows at llama3-8b, k 64, on an H200).
 constexpr int kSelectCapacity = 2;
 static_assert(kRecomputeGroups >= 1, "room to merge at least one recomputed group");
+static_assert(2 * kTopkFromProductMaxK <= kMergeCapacity, "room for the top k and a second of each selected group");
 constexpr int kRankKeysPerThread = 2;  // keys a thread ranks (keep_top_ranked)
 static_assert(kMergeCapacity <= kRankKeysPerThread * kTopkThreads, "room to rank a whole merge");
 
@@ -657,6 +658,7 @@ __global__ void __launch_bounds__(kTopkThreads, kCandidatesBlocksPerSM) topk_can
   __shared__ float sum_scratch[32];
   __shared__ int flagged[kTopkFromProductMaxK];  // only selected groups are flagged: at most k
   __shared__ int flagged_count;
+  __shared__ int joined_count;  // seconds joining the selection, at merge[k, k + joined_count)
   const int n = int(a.tiles * kTopkCandidatesPerTile);
   const int k = int(a.select.k);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -665,7 +667,7 @@ __global__ void __launch_bounds__(kTopkThreads, kCandidatesBlocksPerSM) topk_can
   for (int64_t r = blockIdx.x; r < a.select.rows; r += gridDim.x) {
     const int64_t t = a.select.row0 + r;
     const uint64_t* row = a.candidates + r * a.candidates_ld;
-    if (threadIdx.x == 0) flagged_count = 0;
+    if (threadIdx.x == 0) flagged_count = joined_count = 0;
     // The partials' reads go out beside the candidates' copies.
     start_copy_list(candidates, row, n);
     const float lse = a.select.renormalize ? 0.f : lse_of_partials(a.partial + r * a.partial_ld, a.tiles, maxsum_scratch);
@@ -683,23 +685,36 @@ __global__ void __launch_bounds__(kTopkThreads, kCandidatesBlocksPerSM) topk_can
     }
     __syncthreads();
     const int gathered = sh.count;
-    // Each gathered key's group's second-largest value, read before the ranking that hides its wait.
-    const uint32_t* seconds = a.seconds + r * a.candidates_ld;
-    uint32_t second[kRankKeysPerThread];
+    // Each gathered key's group's runners-up, read before the ranking that hides their wait.
+    const uint64_t* row_runners_up = a.runners_up + r * a.candidates_ld;
+    uint64_t runner_up[kRankKeysPerThread];
 #pragma unroll
     for (int e = 0; e < kRankKeysPerThread; ++e) {
       const int i = int(threadIdx.x) + e * int(blockDim.x);
       const uint64_t c = i < gathered ? sh.merge[i] : 0;
-      second[e] = c != 0 ? seconds[column_group(composite_id(c))] : 0;
+      runner_up[e] = c != 0 ? row_runners_up[column_group(composite_id(c))] : 0;
     }
     const RankedKeys<kRankKeysPerThread> top = keep_top_ranked(sh.merge, gathered, k);
 
-    // A selected group whose second-largest value reaches the k-th may hold more of the top k.
+    // A selected group whose second-largest value reaches the k-th may hold more of the top k: its
+    // second joins the selection, or, where its third may reach the k-th too, the group is
+    // recomputed in full.
     const uint32_t kth_key = uint32_t(sh.merge[k - 1] >> 32);
 #pragma unroll
-    for (int e = 0; e < kRankKeysPerThread; ++e)
-      if (top.rank[e] < k && top.key[e] != 0 && second[e] >= kth_key)
-        flagged[atomicAdd(&flagged_count, 1)] = column_group(composite_id(top.key[e]));
+    for (int e = 0; e < kRankKeysPerThread; ++e) {
+      const uint32_t second_key = second_key_of(runner_up[e]);
+      if (top.rank[e] < k && top.key[e] != 0 && second_key != 0 && second_key >= kth_key) {
+        const int group = column_group(composite_id(top.key[e]));
+        if (third_key_bound(runner_up[e]) >= kth_key)
+          flagged[atomicAdd(&flagged_count, 1)] = group;
+        else
+          sh.merge[k + atomicAdd(&joined_count, 1)] =
+              composite(second_key, group_column(group, second_place_of(runner_up[e])));
+      }
+    }
+    __syncthreads();
+    const int n_joined = joined_count;
+    if (n_joined > 0) keep_top_ranked(sh.merge, k + n_joined, k);
     __syncthreads();
     const int n_flagged = flagged_count;
     if (n_flagged > 0) {

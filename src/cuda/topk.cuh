@@ -18,14 +18,16 @@
 //
 // From the statistics product (row_stats_product.cuh), for k up to kTopkFromProductMaxK: the
 // product keeps, for each row and each 32-column group of a tile (the columns one thread of a
-// quad holds), the group's largest logit as a candidate and its second-largest value, and one
-// block per row selects the k largest candidates in shared memory (a radix select over the
-// 64-bit composites down to at most 2k, each of those then put at its rank among them). The top k of the row are among them unless a
-// group holds two or more of them: then that group is selected and its second value reaches the
-// selection's k-th (the k-th of a subset is at most the true k-th). Such groups (at k 64 and a
-// 4008-group row, about one a row for unordered logits; many where logits tie) are recomputed in
-// full, each logit a dot product of the row with a row of W in f32, and merged in. No logits
-// are written; the lse for full-vocabulary probabilities comes from the product's partials.
+// quad holds), the group's largest logit as a candidate, and its runners-up: the second-largest
+// with its column, a bound on the third. One block per row selects the k largest candidates in
+// shared memory (a radix select over the 64-bit composites down to at most 2k, each of those then
+// put at its rank among them). The top k of the row are among them unless a group holds two or
+// more of them: then that group is selected and its second value reaches the selection's k-th
+// (the k-th of a subset is at most the true k-th), and the second joins the selection. Only where
+// the third may reach it too (three of the top k in one group: about one row in 400 at k 64 and
+// a 4008-group row for unordered logits; many where logits tie) is the group recomputed in full,
+// each logit a dot product of the row with a row of W in f32, and merged in. No logits are
+// written; the lse for full-vocabulary probabilities comes from the product's partials.
 //
 // From the statistics product for larger k (up to shared memory's, with a vocabulary of 16384 or
 // more): a product of the chunk's rows with a sample of W's rows (kTopkSampleColumns of them,
@@ -87,7 +89,7 @@ struct TopkHead {
 struct TopkCandidatesArgs {
   TopkRowsArgs select;            // row0, rows, vocab, k and the outputs (logits, bias, scale unused)
   const uint64_t* candidates = nullptr;  // (rows, candidates_ld): the product's, per column group
-  const uint32_t* seconds = nullptr;     // (rows, candidates_ld): the product's, per column group
+  const uint64_t* runners_up = nullptr;  // (rows, candidates_ld): the product's, per column group
   int64_t candidates_ld = 0;
   int64_t tiles = 0;              // column tiles of the vocabulary
   const float4* partial = nullptr;  // (rows, partial_ld): the product's statistics (for the lse)

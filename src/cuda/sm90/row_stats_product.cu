@@ -57,7 +57,7 @@ struct RowStatsOut {
   int64_t shifted_ld;
   const float* exp_shift;          // (rows) or null: shifted in the exponential form
   uint64_t* candidates;            // (rows, candidates_ld): with kKeepGroupBest
-  uint32_t* seconds;               // (rows, candidates_ld): with kKeepGroupBest
+  uint64_t* runners_up;            // (rows, candidates_ld): with kKeepGroupBest
   int64_t candidates_ld;
   const float* keep_above;         // (rows): with kKeepAbove
   uint64_t* kept;                  // (rows, kept_ld): with kKeepAbove
@@ -71,8 +71,8 @@ enum TopkKeep { kKeepNone, kKeepGroupBest, kKeepAbove };
 // A collective epilogue in the interface of CUTLASS's register-only ones (wrapped for the sm_90
 // kernels by Sm90TmaWarpSpecializedAdapter): it stores the tile's statistics and, if asked, its
 // shifted logits. A top-k kernel (one of its own, so the loss's keeps its registers) keeps
-// instead each row's largest and second-largest logit of every column group (a thread's 32
-// columns; kKeepGroupBest) or every logit at or above its row's bar (kKeepAbove), and of the
+// instead each row's largest logit of every column group (a thread's 32 columns) and the group's
+// runners-up (kKeepGroupBest) or every logit at or above its row's bar (kKeepAbove), and of the
 // statistics only max and sum of exponentials, only with kStatistics (a top-k whose
 // probabilities are renormalised over the k needs no lse, so its epilogue keeps logits alone:
 // every instruction per logit here shows in the product's time).
@@ -307,34 +307,37 @@ class RowStatsEpilogue {
   }
 
   // Each row's largest logit of every column group (the 32 columns of the tile that one thread
-  // of the quad holds: 8 j + 2 g + e) as a top-k composite, and the order key of the group's
-  // second-largest beside it; 0 for none. One pass over the accumulators, two comparisons per
-  // logit, no shuffles: every thread writes its own group's pair. Compared before the scaling by
-  // 1/T > 0, which keeps the order; equal values go to the lower column, as in the top-k order.
+  // of the quad holds: 8 j + 2 g + e) as a top-k composite, and the group's runners-up beside it:
+  // the second-largest with its place in the group, a bound on the third (topk_keys.cuh). One pass
+  // over the accumulators, no shuffles: every thread writes its own group's pair. Compared before
+  // the scaling by 1/T > 0, which keeps the order; equal values go to the lower column, as in the
+  // top-k order.
   template <bool kRagged, class Z, class Coords, int kSlots>
   CUTLASS_DEVICE void store_candidates(Z const& z, Coords const& thread_coords, const int (&row_of)[kSlots], int rows,
                                        int vocab, int n_tile) const {
     auto slot_of = [](int i) { return row_slot<decltype(z.layout())>(i); };
-    float best[kSlots], second[kSlots];
-    int best_col[kSlots];
+    float best[kSlots], second[kSlots], third[kSlots];
+    int best_col[kSlots], second_col[kSlots];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kSlots; ++k) {
-      best[k] = second[k] = -INFINITY;
-      best_col[k] = -1;
+      best[k] = second[k] = third[k] = -INFINITY;
+      best_col[k] = second_col[k] = -1;
     }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(z); ++i) {
       const int col = get<1>(thread_coords(i));
       if (kRagged && col >= vocab) continue;
       const int k = slot_of(i);
+      // Each value passes down the three by min and max, without branches (written with them, it
+      // compiled to about twice the instructions). Equal values: the first seen is the lower
+      // column (columns_rise_along_rows).
       const float v = z(i);
-      if (v > best[k]) {  // equal values: the first seen is the lower column (columns_rise_along_rows)
-        second[k] = best[k];
-        best[k] = v;
-        best_col[k] = col;
-      } else {
-        second[k] = fmaxf(second[k], v);
-      }
+      const bool above_best = v > best[k], above_second = v > second[k];
+      second_col[k] = above_best ? best_col[k] : above_second ? col : second_col[k];
+      best_col[k] = above_best ? col : best_col[k];
+      third[k] = fmaxf(third[k], fminf(second[k], v));
+      second[k] = fmaxf(second[k], fminf(best[k], v));
+      best[k] = fmaxf(best[k], v);
     }
     const float inv_t = params_.inv_temperature;
     const int group = (get<1>(thread_coords(0)) % 8) / 2;
@@ -343,7 +346,12 @@ class RowStatsEpilogue {
       if (row_of[k] >= rows) continue;
       const int64_t at = int64_t(row_of[k]) * params_.candidates_ld + int64_t(n_tile) * kTopkCandidatesPerTile + group;
       params_.candidates[at] = best_col[k] >= 0 ? composite(order_key(best[k] * inv_t), best_col[k]) : 0;
-      params_.seconds[at] = second[k] > -INFINITY ? order_key(second[k] * inv_t) : 0u;
+      // The place of column 128 t + 8 j + 2 g + e in its group: 2 j + e.
+      const int second_place = 2 * ((second_col[k] % int(kRowStatsTileColumns)) / 8) + second_col[k] % 2;
+      params_.runners_up[at] = second_col[k] >= 0
+                                   ? runners_up(order_key(second[k] * inv_t), second_place,
+                                                third[k] > -INFINITY ? order_key(third[k] * inv_t) : 0u)
+                                   : 0;
     }
   }
 
@@ -525,7 +533,7 @@ struct RowStatsGemm {
                                    a.shifted_ld,
                                    a.exp_shift,
                                    a.candidates,
-                                   a.seconds,
+                                   a.runners_up,
                                    a.candidates_ld,
                                    a.keep_above,
                                    a.kept,
