@@ -27,10 +27,11 @@
 // large, its 16-bit rounding costs the gradient least where it matters (a bf16 logit of 20 is
 // off by up to 0.04, a shifted one of -0.5 by 0.001). A top-k call has the product keep each
 // row's three largest values of every 32-column group instead (the first two exact, the
-// accumulators' own), so it writes 64 bytes per row and tile, half of them read back by the selection,
-// instead of a 512-byte f32 logits row segment written and read back (topk.cuh); for larger k it keeps every logit at or
-// above a bar per row taken from a sample of the row, a few percent of them. Heads with a bias or soft-capping keep the cuBLASLt path: their
-// per-logit work belongs in the memory-bound row kernel, not between the product's main loops.
+// accumulators' own): 64 bytes per row and tile written, about half of them read back by the
+// selection, instead of a 512-byte f32 logits row segment written and read back (topk.cuh); for
+// larger k it keeps every logit at or above a bar per row taken from a sample of the row, a few
+// percent of them. Heads with a bias or soft-capping keep the cuBLASLt path: their per-logit work
+// belongs in the memory-bound row kernel, not between the product's main loops.
 // Built with CUTLASS for sm_90a when its headers were found at configure time
 // (LMLOSS_ROW_STATS_PRODUCT); elsewhere row_stats_product_supported() is false and the loss takes
 // the cuBLASLt path.

@@ -27,15 +27,17 @@ __device__ __forceinline__ int32_t composite_id(uint64_t c) {
 }
 __device__ __forceinline__ float composite_value(uint64_t c) { return key_value(static_cast<uint32_t>(c >> 32)); }
 
-// A column group's runners-up (row_stats_product.cuh) in 64 bits: its second-largest value's key
-// exact with its place in the group (0-31), and its third-largest value's key less its low five
-// bits, so read back as a bound at or above the key. 0 for none.
+// A column group's runners-up (row_stats_product.cuh) in 64 bits: its second-largest value's key,
+// exact, with its place in the group (0-31), and its third-largest value's key with the low five
+// bits cleared, read back with them set: a bound at or above the key. 0 for none.
 constexpr uint32_t kRunnerUpPlaceMask = 31;
 __device__ __forceinline__ uint64_t runners_up(uint32_t second_key, int second_place, uint32_t third_key) {
   return (static_cast<uint64_t>(second_key) << 32) | (third_key & ~kRunnerUpPlaceMask) | uint32_t(second_place);
 }
 __device__ __forceinline__ uint32_t second_key_of(uint64_t r) { return static_cast<uint32_t>(r >> 32); }
 __device__ __forceinline__ int second_place_of(uint64_t r) { return int(r & kRunnerUpPlaceMask); }
-__device__ __forceinline__ uint32_t third_key_bound(uint64_t r) { return static_cast<uint32_t>(r) | kRunnerUpPlaceMask; }
+__device__ __forceinline__ uint32_t third_key_bound(uint64_t r) {
+  return static_cast<uint32_t>(r) | kRunnerUpPlaceMask;
+}
 
 }  // namespace lmloss::cuda
