@@ -211,6 +211,13 @@ bool statistics_product_expected() {
 #endif
 }
 
+// Skips a test of the product's paths where they are not taken.
+#define LMLOSS_REQUIRE_STATISTICS_PRODUCT()                                                        \
+  do {                                                                                             \
+    if (!statistics_product_expected())                                                            \
+      GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";        \
+  } while (0)
+
 // A forward of a 16-bit linear head with statistics from the product's epilogue: against the
 // reference at odd shapes (one token; a vocabulary of exactly one column tile, and of one more;
 // 50021), every option that path takes (no bias, no soft-capping), strided rows, i64 labels;
@@ -218,8 +225,7 @@ bool statistics_product_expected() {
 // no cuBLASLt workspace (that path holds 32 MiB for the products alone), a few floats per row and
 // column tile instead; with a bias the same call keeps the cuBLASLt path.
 TEST_F(Cuda, ForwardStatisticsFromTheProductMatchReference) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4012);
   for (const ProductShape& shape : kProductShapes) {
     for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
@@ -248,8 +254,7 @@ TEST_F(Cuda, ForwardStatisticsFromTheProductMatchReference) {
 // rows by our count. Every row's loss and lse once, the mean over all, masked and ignored tokens,
 // per-token losses, both 16-bit dtypes; against the reference and bitwise on a rerun.
 TEST_F(Cuda, ForwardOfManyTokensFromTheProductInChunksMatchesReference) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4031);
   for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
     for (const char* name : {"plain", "none", "smoothing_zloss_temperature"}) {
@@ -281,8 +286,7 @@ size_t product_path_workspace_bound(int64_t n_tokens, int64_t vocab, int64_t hid
 // chunks); bitwise the same on a second run. The workspace shows the path: 2 bytes per logit of
 // the chunk where the cuBLASLt path holds 4.
 TEST_F(Cuda, FusedStepFromTheProductMatchesReference) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4013);
   for (const ProductShape& shape : kProductShapes) {
     for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
@@ -313,8 +317,7 @@ TEST_F(Cuda, FusedStepFromTheProductMatchesReference) {
 // rows of both kinds share a chunk (and, widest, that most rows and teacher ids take the fallbacks),
 // cross-entropy, per-token upstream and distillation, one chunk and several, bitwise on a rerun.
 TEST_F(Cuda, FusedStepWithFarLabelsMatchesReference) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4016);
   for (const double logit_scale : {12.0, 60.0}) {
     for (const char* name : {"plain", "none", "distill_mixed"}) {
@@ -341,8 +344,7 @@ TEST_F(Cuda, FusedStepWithFarLabelsMatchesReference) {
 // Cross-entropy and distillation, bf16 and f16, against the reference and bitwise on a rerun,
 // within the budget.
 TEST_F(Cuda, FusedStepInChunksOfTheProductsClusterRowsMatchesReference) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4023);
   for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
     for (const char* name : {"plain", "distill_mixed"}) {
@@ -365,8 +367,7 @@ TEST_F(Cuda, FusedStepInChunksOfTheProductsClusterRowsMatchesReference) {
 // the exponential form and f16 with its gradient pass, ignored labels and per-token upstream
 // gradients, against the reference, bitwise on a rerun, within the budget.
 TEST_F(Cuda, FrozenHeadInTokenChunksMatchesReference) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4029);
   for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
     for (const char* name : {"plain", "none", "zloss_temperature"}) {
@@ -392,8 +393,7 @@ TEST_F(Cuda, FrozenHeadInTokenChunksMatchesReference) {
 // exactly afterwards from the head; options that scale the rows, per-token upstream gradients,
 // ignored labels and masked tokens. Against the reference, and bitwise on a rerun.
 TEST_F(Cuda, FrozenHeadByVocabularySlicesMatchesReference) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4019);
   for (const double logit_scale : {2.0, 60.0}) {
     for (const char* name : {"plain", "none", "normalizer", "zloss_temperature"}) {
@@ -422,8 +422,7 @@ TEST_F(Cuda, FrozenHeadByVocabularySlicesMatchesReference) {
 // leaves 2e-4 and 1.3e-4 (by a bf16 emulation of both). The second shape repeats labels within a
 // chunk and across chunks (2.3e-3 and 1.7e-3 before, 5e-4 and 3.6e-4 after).
 TEST_F(Cuda, FusedStepKeepsTheLabelTermExactWithF32Gradients) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4018);
   struct Shape {
     int64_t n_tokens, vocab, hidden;
@@ -449,8 +448,7 @@ TEST_F(Cuda, FusedStepKeepsTheLabelTermExactWithF32Gradients) {
 // stride of hidden + 1, f32 and bf16): the single-column path, every element written, the
 // padding untouched.
 TEST_F(Cuda, FusedStepAddsTheLabelTermToAWeightGradientOfOddStride) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4019);
   const int64_t n_tokens = 300, vocab = 509, hidden = 128;
   for (lmloss_dtype grad_dtype : {LMLOSS_F32, LMLOSS_BF16}) {
@@ -469,8 +467,7 @@ TEST_F(Cuda, FusedStepAddsTheLabelTermToAWeightGradientOfOddStride) {
 // in, one chunk and several, bitwise on a second run; a forward with a teacher keeps the cuBLASLt
 // path (it has no shifted logits to read).
 TEST_F(Cuda, DistillationFromTheProductMatchesReference) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4014);
   struct Shape {
     int64_t n_tokens, vocab, hidden, top_k;
@@ -508,8 +505,7 @@ TEST_F(Cuda, DistillationFromTheProductMatchesReference) {
 // few dozen bytes per row and tile (no statistics when renormalised), no logits chunk and no
 // cuBLASLt workspace; token chunks (a smaller budget) as well.
 TEST_F(Cuda, TopkFromTheProductMatchesReference) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4015);
   struct Shape {
     int64_t n_tokens, vocab, hidden, k, row_padding;
@@ -558,8 +554,7 @@ TEST_F(Cuda, TopkFromTheProductMatchesReference) {
 // tiles: 50 KiB), in bf16 and then f16 in one process: each selection kernel is allowed the larger
 // dynamic shared memory it launches with, not only the first one used.
 TEST_F(Cuda, TopkFromTheProductOfAWideVocabularyInBothDtypes) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4019);
   const reference::Problem p = gen.problem({.n_tokens = 3, .vocab = 200003, .hidden = 32});
   for (const lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
@@ -581,8 +576,7 @@ TEST_F(Cuda, TopkFromTheProductOfAWideVocabularyInBothDtypes) {
 // recomputed in full and merged; and a head whose logits all tie (every row of W the same),
 // where the selection recomputes group after group.
 TEST_F(Cuda, TopkFromTheProductRecomputesGroups) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4016);
   const int64_t n = 50, V = 4099, H = 64;  // 32 whole tiles: room for k 128
   // Column of place i (0-31) of column group g: the product's layout, 128 (g / 4) + 8 (i / 2) + 2 (g % 4) + i % 2.
@@ -645,8 +639,7 @@ TEST_F(Cuda, TopkFromTheProductRecomputesGroups) {
 // 640 + 640 + 20. Against the reference; the workspace held is within the budget and below what
 // 560 rows of the one-chunk layout take (a 640-row chunk would hold more).
 TEST_F(Cuda, TopkFromTheProductInChunksOfTheProductsClusterRowsMatchesReference) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4033);
   const int64_t n = 1300;
   const reference::Problem p = gen.problem({.n_tokens = n, .vocab = 16411, .hidden = 64});
@@ -680,8 +673,7 @@ TEST_F(Cuda, TopkFromTheProductInChunksOfTheProductsClusterRowsMatchesReference)
 // is zero (every logit ties, the list overflows), and token 2 sees only W's first column, which
 // is large at every sampled row and small elsewhere (its bar is set too high: fewer than k pass).
 TEST_F(Cuda, TopkFromTheProductAboveASampledBar) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4020);
   const int64_t n = 70, V = 50021, H = 72;
   reference::Problem p = gen.problem({.n_tokens = n, .vocab = V, .hidden = H});
@@ -963,8 +955,7 @@ TEST_F(Cuda, WorkspaceStaysWithinBudgetAndComesFromTheCallersAllocator) {
 // A budget that holds the gradient pass's pieces but not the exponential form's label order (16
 // bytes a token): a fused bf16 step of many short rows still runs, on the gradient pass, within it.
 TEST_F(Cuda, FusedStepWithoutRoomForTheLabelOrderTakesTheGradientPass) {
-  if (!statistics_product_expected())
-    GTEST_SKIP() << "the statistics product is built for and runs on sm_90 devices only";
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4020);
   const int64_t n_tokens = 65536;
   LossCase c(gen.problem({.n_tokens = n_tokens, .vocab = 257, .hidden = 64}), lmloss_loss_options_default(),
