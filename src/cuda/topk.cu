@@ -714,8 +714,8 @@ __global__ void __launch_bounds__(kTopkThreads, kCandidatesBlocksPerSM) topk_can
     }
     __syncthreads();
     const int n_joined = joined_count;
+    // No barrier after: keep_top_ranked ends with one, and without joins nothing was written.
     if (n_joined > 0) keep_top_ranked(sh.merge, k + n_joined, k);
-    __syncthreads();
     const int n_flagged = flagged_count;
     if (n_flagged > 0) {
       // The flagged groups' largest leave the top k (each comes back with its group's logits).
