@@ -361,6 +361,30 @@ TEST_F(Cuda, FusedStepInChunksOfTheProductsClusterRowsMatchesReference) {
   }
 }
 
+// A chunk taller than one launch of the statistics product (2048 rows, so that its rows of X stay
+// in L2) takes the product in launches of whole cluster rows spread evenly, each writing its own
+// rows of the shifted logits, partials and labels' logits: by our count 4500 tokens in one chunk
+// as 1536 + 1536 + 1428 rows, 2300 as 1280 + 1020. bf16 in the exponential form, f16 through its
+// gradient pass, cross-entropy with masked and ignored tokens and distillation; against the
+// reference and bitwise on a rerun.
+TEST_F(Cuda, FusedStepOfAChunkTallerThanOneProductLaunchMatchesReference) {
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
+  Generator gen(4037);
+  for (const int64_t n_tokens : {4500, 2300}) {
+    for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
+      for (const char* name : {"plain", "distill_mixed"}) {
+        const int64_t vocab = 1999, hidden = 72;
+        const int64_t top_k = std::string(name) == "distill_mixed" ? 16 : 0;
+        SCOPED_TRACE(std::to_string(n_tokens) + " tokens " + dtype_name(dtype) + " " + name);
+        ProblemSpec spec{.n_tokens = n_tokens, .vocab = vocab, .hidden = hidden, .top_k = top_k, .mask = true};
+        LossCase c(gen.problem(spec), options_named(name), setup(dtype, LMLOSS_F32));
+        lmloss::Context ctx;
+        ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
+      }
+    }
+  }
+}
+
 // A frozen head (dX only) in token chunks: their heights are chosen for the dX product's waves
 // of tiles (whole cluster rows, not spread evenly): here, by our count, 512-row chunks and the
 // 164 rows left (the budget holds ~600 rows; the vocabulary is too narrow for slices). bf16 in

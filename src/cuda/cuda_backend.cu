@@ -13,10 +13,11 @@
 // A forward (without a teacher) or fused call of a 16-bit linear head without bias or
 // soft-capping, on an sm_90 device, takes each chunk's statistics in the product's epilogue
 // instead (row_stats_product.cuh): no logits chunk for a forward (whose chunks are at most
-// kForwardProductRows, for L2's sake, as are top-k's); for a fused call the product
-// stores the shifted logits in the inputs' dtype, the row kernel reads s at the teacher ids from
-// them and writes the gradient over them; with bf16 and no label smoothing, in the exponential
-// form (loss_rows.cuh), where most rows need no gradient pass:
+// kForwardProductRows, for L2's sake, as are top-k's and the product's launches over a fused
+// call's chunks); for a fused call the product stores the shifted logits in the inputs' dtype,
+// the row kernel reads s at the teacher ids from them and writes the gradient over them; with
+// bf16 and no label smoothing, in the exponential form (loss_rows.cuh), where most rows need no
+// gradient pass:
 //   shift (rows) = s at each row's label, a dot product per row            exp_shift_kernel
 //   E (rows, vocab) bf16 = exp(S - shift), partials                        the product's epilogue
 //   row kernel: loss, lse, the sparse entries of E corrected, f (rows)     (far rows: G over E)
@@ -484,15 +485,27 @@ int64_t whole_wave_chunk_rows(int64_t max_rows, int64_t hidden, int sms) {
   return best_rows;
 }
 
-// The most rows at once of a statistics product that forms no gradient (a forward, top-k), so
-// that their rows of X stay in L2 while W streams past. At llama3-8b's 8192 rows (64 MiB of X,
-// more than the H200's L2) the one product ran its L2 at 96% of peak with 47% hits, read 37-46 GB
-// from DRAM and slowed its clock to 1.26 GHz (ncu, run 40). On a rested H200 (run 41) a forward
-// took 1.25x cuBLASLt's product at 8192 rows, 1.13x at 3072 and 1.05x at 2048, 1536 or 1024;
-// top-k at 2048 rows was the fastest of those (k 64: 1.30x -> 1.14x). A cap by X's bytes was no
-// better (run 42): at H 8192, 1024 rows took the rested forward from 1.08x to 1.06x but top-k
-// 0.3 ms slower hot; at H 2304, 3584 rows took it from 1.04x to 1.06x.
+// The most rows of one launch of the statistics product, so that their rows of X stay in L2
+// while W streams past: a forward's and top-k's chunks are no taller, and a fused call's taller
+// chunks take their product in several launches (product_launch_rows). At llama3-8b's 8192 rows
+// (64 MiB of X, more than the H200's L2) the one product ran its L2 at 96% of peak with 47% hits,
+// read 37-46 GB from DRAM and slowed its clock to 1.26 GHz (ncu, run 40). On a rested H200 (run
+// 41) a forward took 1.25x cuBLASLt's product at 8192 rows, 1.13x at 3072 and 1.05x at 2048, 1536
+// or 1024; top-k at 2048 rows was the fastest of those (k 64: 1.30x -> 1.14x). A cap by X's bytes
+// was no better (run 42): at H 8192, 1024 rows took the rested forward from 1.08x to 1.06x but
+// top-k 0.3 ms slower hot; at H 2304, 3584 rows took it from 1.04x to 1.06x.
 constexpr int64_t kForwardProductRows = 2048;
+
+// The height of each launch of a chunk's statistics product but the last: the chunk spread
+// evenly over launches of at most kForwardProductRows, in whole cluster rows (3328 rows: 1792 +
+// 1536). At llama3-8b N 32768 (chunks of 3328 rows) the step's products took 45.1 ms by ncu
+// instead of 49.5 in one launch a chunk; the step itself ran as before, the card at its power
+// limit (run 45).
+int64_t product_launch_rows(int64_t rows) {
+  if (rows <= kForwardProductRows) return rows;
+  const int64_t units = chunk_count(rows, kRowStatsClusterRows);
+  return chunk_count(units, chunk_count(rows, kForwardProductRows)) * kRowStatsClusterRows;
+}
 
 // The other layout for 16-bit gradients: a dense gradient chunk of 2 bytes per logit, filled by
 // several smaller f32 logits chunks in turn. The backward products then run over more rows at once
@@ -956,18 +969,19 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     const void* x_chunk = x + row0 * x_ld * in_size;
     char* grad = static_cast<char*>(plan.separate_grad ? grad_chunk : logits_chunk);
     if (plan.row_stats_product) {
-      RowStatsProductArgs product = row_stats_args(call, rows, row0);
-      product.partial = partials;
-      product.label_s = label_s;
-      if (forms_gradient(a.work)) {
-        product.shifted = logits_chunk;
-        product.shifted_ld = plan.logits_ld;
+      if (plan.exp_form) LMLOSS_CHECK(launch_exp_shift(exp_shift_args(call, row0, rows, exp_shift), r.stream));
+      const int64_t launch_rows = product_launch_rows(rows);
+      for (int64_t sub0 = 0; sub0 < rows; sub0 += launch_rows) {
+        RowStatsProductArgs product = row_stats_args(call, std::min(launch_rows, rows - sub0), row0 + sub0);
+        product.partial = partials + sub0 * product.partial_ld;
+        product.label_s = label_s + sub0;
+        if (forms_gradient(a.work)) {
+          product.shifted = reinterpret_cast<char*>(logits_chunk) + sub0 * plan.logits_ld * in_size;
+          product.shifted_ld = plan.logits_ld;
+        }
+        if (plan.exp_form) product.exp_shift = exp_shift + sub0;
+        LMLOSS_CHECK(run_row_stats_product(product, piece(kProductWs), r.stream));
       }
-      if (plan.exp_form) {
-        LMLOSS_CHECK(launch_exp_shift(exp_shift_args(call, row0, rows, exp_shift), r.stream));
-        product.exp_shift = exp_shift;
-      }
-      LMLOSS_CHECK(run_row_stats_product(product, piece(kProductWs), r.stream));
       LMLOSS_CHECK(launch_loss_rows(a, r.stream));
       if (!forms_gradient(a.work)) continue;
     } else {
