@@ -5,22 +5,26 @@
 # last. Logs and JSON go to $OUT (default: gpu-check-out/).
 #
 #   scripts/gpu_check.sh [--build DIR] [--stages tests,sanitizer,bench,curve,peers] [--quick]
+#                        [--peer-rounds R]
 #
 # The build folder (default build-cuda) is used as it is when it holds the binaries (a build made
 # on another machine: scripts/gpu_build.sh --pack), else configured and built here. Python peers
 # come from wheels in .whl/ (and lmloss from dist/) when present, installed to a private folder,
-# else from what python3 already has.
+# else from what python3 already has. The peers run R rounds (default 2, 1 with --quick), every
+# other one in reverse order, so that no method is always timed on the card the others warmed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 BUILD=build-cuda
 STAGES=tests,sanitizer,bench,curve,peers
 QUICK=0
+PEER_ROUNDS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift 2 ;;
     --stages) STAGES=$2; shift 2 ;;
     --quick) QUICK=1; shift ;;
+    --peer-rounds) PEER_ROUNDS=$2; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -101,6 +105,7 @@ fi
 
 REPEATS=10
 [ $QUICK = 1 ] && REPEATS=3
+[ -z "$PEER_ROUNDS" ] && { PEER_ROUNDS=2; [ $QUICK = 1 ] && PEER_ROUNDS=1; }
 if has_stage bench; then
   echo "== bench: every mode at the presets"
   for spec in "llama3-8b 8192" "llama3-8b 32768" "gemma2-2b 8192"; do
@@ -139,10 +144,10 @@ if has_stage peers; then
   presets=llama3-8b,gemma2-2b
   PYTHONUNBUFFERED=1 python3 bench/peers.py --presets $presets --accuracy \
     --modes fwd_bwd,forward,distill64,topk64,topk2048,dx_only \
-    --repeats $REPEATS --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
+    --repeats $REPEATS --rounds $PEER_ROUNDS --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
   if [ $QUICK = 0 ]; then
     PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens 32768 --modes fwd_bwd \
-      --methods naive,torch.compile,cce --repeats 5 --json "$OUT/peers_32768.json" 2>&1 | tee "$OUT/peers_32768.log"
+      --methods naive,torch.compile,cce --repeats 5 --rounds $PEER_ROUNDS --json "$OUT/peers_32768.json" 2>&1 | tee "$OUT/peers_32768.log"
   fi
 fi
 
