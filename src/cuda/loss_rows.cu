@@ -779,11 +779,11 @@ lmloss_status launch_scale_rows(const void* in, lmloss_dtype in_dtype, int64_t i
     using TOut = std::remove_pointer_t<decltype(typed_out)>;
     const auto* w = static_cast<const __nv_bfloat16*>(table);
     if (vector)
-      scale_rows_kernel<TIn, TOut, 4><<<grid, kScaleThreads, 0, stream>>>(typed_in, in_ld, scale, row_scale, rows, cols,
-                                                                     typed_out, out_ld, label, w, table_ld);
+      scale_rows_kernel<TIn, TOut, 4><<<grid, kScaleThreads, 0, stream>>>(
+          typed_in, in_ld, scale, row_scale, rows, cols, typed_out, out_ld, label, w, table_ld);
     else
-      scale_rows_kernel<TIn, TOut, 1><<<grid, kScaleThreads, 0, stream>>>(typed_in, in_ld, scale, row_scale, rows, cols,
-                                                                     typed_out, out_ld, label, w, table_ld);
+      scale_rows_kernel<TIn, TOut, 1><<<grid, kScaleThreads, 0, stream>>>(
+          typed_in, in_ld, scale, row_scale, rows, cols, typed_out, out_ld, label, w, table_ld);
   };
   auto with_out = [&](auto* typed_in) -> lmloss_status {
     switch (out_dtype) {
