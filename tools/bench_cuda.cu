@@ -409,6 +409,8 @@ std::unique_ptr<BenchBackend> make_cuda_bench(std::string& reason) {
 
 #else  // LMLOSS_BENCH_CUDA_MAIN: every mode of the issue on one preset
 
+#include <dlfcn.h>
+
 #include <chrono>
 #include <cmath>
 #include <thread>
@@ -445,11 +447,73 @@ void fill_normal(void* out, lmloss_dtype dt, int64_t n, uint64_t seed, float std
   cuda_check(cudaGetLastError(), "fill_normal");
 }
 
+int current_device() {
+  int device = 0;
+  cuda_check(cudaGetDevice(&device), "device");
+  return device;
+}
+
+// The SM clock during a run, and whether the card's power limit (or heat) was holding it back,
+// from NVML where the driver has it: loaded at run time, so that the program builds and runs
+// without it. Under a long run of products an H200 sits at its power limit with its clock well
+// below its peak, and a step's time then follows the energy it spends (run 45).
+class ClockProbe {
+ public:
+  struct Sample {
+    unsigned mhz = 0;
+    bool held = false;
+  };
+  explicit ClockProbe(int cuda_device) {
+    lib_ = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib_) return;
+    auto init = reinterpret_cast<int (*)()>(dlsym(lib_, "nvmlInit_v2"));
+    auto by_bus = reinterpret_cast<int (*)(const char*, void**)>(dlsym(lib_, "nvmlDeviceGetHandleByPciBusId_v2"));
+    clock_ = reinterpret_cast<int (*)(void*, int, unsigned*)>(dlsym(lib_, "nvmlDeviceGetClockInfo"));
+    reasons_ = reinterpret_cast<int (*)(void*, unsigned long long*)>(
+        dlsym(lib_, "nvmlDeviceGetCurrentClocksEventReasons"));
+    if (!reasons_)
+      reasons_ = reinterpret_cast<int (*)(void*, unsigned long long*)>(
+          dlsym(lib_, "nvmlDeviceGetCurrentClocksThrottleReasons"));
+    char bus[32] = {};
+    ok_ = init && by_bus && clock_ && reasons_ && init() == 0 &&
+          cudaDeviceGetPCIBusId(bus, sizeof(bus), cuda_device) == cudaSuccess && by_bus(bus, &device_) == 0;
+  }
+  ~ClockProbe() {
+    if (lib_) dlclose(lib_);  // nvmlShutdown is left to the process's end
+  }
+  bool ok() const { return ok_; }
+  Sample sample() const {
+    Sample s;
+    unsigned long long reasons = 0;
+    if (!ok_ || clock_(device_, kSmClock, &s.mhz) != 0 || reasons_(device_, &reasons) != 0) return {};
+    s.held = (reasons & kHeldBack) != 0;
+    return s;
+  }
+
+ private:
+  static constexpr int kSmClock = 1;  // NVML_CLOCK_SM
+  // Software power cap, hardware slowdown, software and hardware thermal slowdown, power brake.
+  static constexpr unsigned long long kHeldBack = 0x4 | 0x8 | 0x20 | 0x40 | 0x80;
+  void* lib_ = nullptr;
+  void* device_ = nullptr;
+  int (*clock_)(void*, int, unsigned*) = nullptr;
+  int (*reasons_)(void*, unsigned long long*) = nullptr;
+  bool ok_ = false;
+};
+
+// The SM clock during a row's runs (the median of the runs' medians), and how many runs the power
+// limit or heat held back at some sample; the same for the floor's runs.
+struct Clocks {
+  unsigned mhz = 0, floor_mhz = 0;
+  int held = 0, floor_held = 0, runs = 0;
+};
+
 struct Row {
   std::string mode;
   double budget_gib;
   double ms, floor_ms, peak_gib;
   int repeats;
+  Clocks clocks;
 };
 
 class ModesBench {
@@ -500,16 +564,26 @@ class ModesBench {
   // Host sleep before each timed run (floor and step alike), so that each starts on a card that
   // has rested (its clocks and temperature as after an idle gap) instead of one kept hot.
   void set_rest_ms(int ms) { rest_ms_ = ms; }
+  // The SM clock sampled while each timed run is on the device (NVML); whether NVML answered.
+  bool sample_clocks() {
+    clock_probe_ = std::make_unique<ClockProbe>(current_device());
+    return clock_probe_->ok();
+  }
 
   // Median milliseconds of `repeats` runs of f, each after an L2 flush, timed by events. With
   // floor_count > 0 each run of f follows a run of that floor (see run_floor), so both see the
   // same clocks and temperature (a long run of products slows the card); the floor's median is
-  // kept for the row (last_floor_ms_).
+  // kept for the row (last_floor_ms_). With sample_clocks, the host samples the SM clock while
+  // each run is on the device (last_clocks_).
   template <typename F>
   double time(F&& f, int floor_count = 0) {
     cudaEvent_t start, stop;
     cuda_check(cudaEventCreate(&start), "event");
     cuda_check(cudaEventCreate(&stop), "event");
+    struct Run {
+      double ms;
+      ClockProbe::Sample clock;  // the median of the run's samples; held if any one was
+    };
     auto timed = [&](auto&& g) {
       if (rest_ms_ > 0) {
         cuda_check(cudaStreamSynchronize(stream_), "sync");
@@ -519,23 +593,49 @@ class ModesBench {
       cuda_check(cudaEventRecord(start, stream_), "record");
       g();
       cuda_check(cudaEventRecord(stop, stream_), "record");
+      Run run{};
+      std::vector<double> mhz;
+      // (A query that finds the event not yet reached leaves that as the last error: cleared, so
+      // that the next launch's check does not read it.)
+      while (clock_probe_ && clock_probe_->ok() && cudaEventQuery(stop) == cudaErrorNotReady) {
+        cudaGetLastError();
+        const ClockProbe::Sample c = clock_probe_->sample();
+        mhz.push_back(c.mhz);
+        run.clock.held = run.clock.held || c.held;
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+      }
+      if (!mhz.empty()) run.clock.mhz = unsigned(median(mhz));
       cuda_check(cudaEventSynchronize(stop), "sync");
       float ms = 0;
       cuda_check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-      return double(ms);
+      run.ms = ms;
+      return run;
     };
-    std::vector<double> times, floors;
+    std::vector<double> times, floors, mhz, floor_mhz;
+    Clocks clocks;
     for (int r = -1; r < repeats_; ++r) {  // r = -1: warm-up (plans, pools)
       if (floor_count > 0) {
-        const double floor = timed([&] { run_floor(floor_count); });
-        if (r >= 0) floors.push_back(floor);
+        const Run floor = timed([&] { run_floor(floor_count); });
+        if (r >= 0) {
+          floors.push_back(floor.ms);
+          floor_mhz.push_back(floor.clock.mhz);
+          clocks.floor_held += floor.clock.held;
+        }
       }
-      const double ms = timed(f);
-      if (r >= 0) times.push_back(ms);
+      const Run run = timed(f);
+      if (r >= 0) {
+        times.push_back(run.ms);
+        mhz.push_back(run.clock.mhz);
+        clocks.held += run.clock.held;
+      }
     }
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
     last_floor_ms_ = floor_count > 0 ? median(floors) : 0;
+    clocks.runs = repeats_;
+    clocks.mhz = unsigned(median(mhz));
+    clocks.floor_mhz = floor_count > 0 ? unsigned(median(floor_mhz)) : 0;
+    last_clocks_ = clock_probe_ && clock_probe_->ok() ? clocks : Clocks{};
     return median(times);
   }
   static double median(std::vector<double> v) {
@@ -777,7 +877,7 @@ class ModesBench {
     cuda_check(cudaMemcpy(&l, loss_.ptr, 4, cudaMemcpyDeviceToHost), "loss");
     if (!std::isfinite(l)) throw std::runtime_error(mode + ": the loss is not finite");
     return {mode, double(ctx.workspace_budget()) / double(1 << 30), ms, last_floor_ms_,
-            double(ctx.peak_workspace()) / double(1 << 30), repeats_};
+            double(ctx.peak_workspace()) / double(1 << 30), repeats_, last_clocks_};
   }
 
   Row topk_mode(int64_t k, size_t budget, int floor_count) {
@@ -795,7 +895,7 @@ class ModesBench {
         time([&] { lmloss::check(lmloss_topk(ctx.get(), &head, &o, &ids, &probs, &none)); }, floor_count);
     ctx.synchronize();
     return {"topk" + std::to_string(k), double(ctx.workspace_budget()) / double(1 << 30), ms, last_floor_ms_,
-            double(ctx.peak_workspace()) / double(1 << 30), repeats_};
+            double(ctx.peak_workspace()) / double(1 << 30), repeats_, last_clocks_};
   }
 
   static constexpr int kTeacherK = 64;
@@ -817,6 +917,8 @@ class ModesBench {
   L2Flush flush_;
   DeviceBuffer x_, w_, labels_, ids_, probs_, dx_, dw_, loss_, topk_ids_, topk_probs_, z_;
   double last_floor_ms_ = 0;
+  std::unique_ptr<ClockProbe> clock_probe_;  // null: no clock samples
+  Clocks last_clocks_;
   int rest_ms_ = 0;
   bool tune_ = false;  // lmloss_context_set_product_tuning on the library's contexts
   lmloss_dtype dw_dtype_ = LMLOSS_F32;
@@ -842,7 +944,7 @@ int run(int argc, char** argv) {
   int64_t tokens = 0, hidden = 0, vocab = 0;  // 0: the preset's
   int repeats = 10, rest_ms = 0;
   double mode_budget_gib = 0;  // the modes' workspace budget; 0: the library's default
-  bool with_floor = true, tune = false;
+  bool with_floor = true, tune = false, clocks = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string key = argv[i], value = argv[i + 1];
     if (key == "--preset") preset = value;
@@ -863,6 +965,7 @@ int run(int argc, char** argv) {
     else if (key == "--dw-dtype") dw_dtype = value;
     else if (key == "--budget-gib") mode_budget_gib = std::stod(value);
     else if (key == "--rest-ms") rest_ms = std::stoi(value);
+    else if (key == "--clocks") clocks = value != "0";
     else throw std::invalid_argument("unknown option " + key);
   }
   const BenchPreset& p = find_preset(preset);
@@ -874,6 +977,7 @@ int run(int argc, char** argv) {
   if (dw_dtype != "f32" && dw_dtype != "input") throw std::invalid_argument("--dw-dtype takes f32 or input");
   bench.set_dw_dtype(dw_dtype == "input" ? dt : LMLOSS_F32);
   bench.set_rest_ms(rest_ms);
+  if (clocks && !bench.sample_clocks()) std::fprintf(stderr, "# --clocks: NVML did not answer; no clocks\n");
   std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events%s%s%s\n",
               device_description().c_str(), p.name, (long long)n, (long long)h, (long long)v,
               dtype.c_str(), repeats, tune ? ", products tuned" : "", dw_dtype == "input" ? ", dW in the input dtype" : "",
@@ -893,8 +997,14 @@ int run(int argc, char** argv) {
   auto report = [&](Row r) {
     if (!with_floor) r.floor_ms = 1.0;
     rows.push_back(r);
-    std::printf("%-10s budget %6.3f GiB  %8.3f ms  floor %8.3f ms  x%.3f  peak %.3f GiB\n", r.mode.c_str(),
+    std::printf("%-10s budget %6.3f GiB  %8.3f ms  floor %8.3f ms  x%.3f  peak %.3f GiB", r.mode.c_str(),
                 r.budget_gib, r.ms, r.floor_ms, r.ms / r.floor_ms, r.peak_gib);
+    const Clocks& c = r.clocks;
+    if (c.runs > 0 && c.mhz > 0) {
+      std::printf("  clock %u MHz, held %d/%d", c.mhz, c.held, c.runs);
+      if (c.floor_mhz > 0) std::printf(" (floor %u MHz, held %d/%d)", c.floor_mhz, c.floor_held, c.runs);
+    }
+    std::printf("\n");
     std::fflush(stdout);
   };
   const size_t mode_budget = size_t(mode_budget_gib * double(1 << 30));
@@ -916,10 +1026,15 @@ int run(int argc, char** argv) {
                     "\"dtype\": \"%s\", \"repeats\": %d, \"rows\": [",
                  device_description().c_str(), p.name, (long long)n, (long long)h, (long long)v,
                  dtype.c_str(), repeats);
-    for (size_t i = 0; i < rows.size(); ++i)
-      std::fprintf(f, "%s{\"mode\": \"%s\", \"budget_gib\": %.4f, \"ms\": %.4f, \"floor_ms\": %.4f, \"peak_gib\": %.4f}",
-                   i ? ", " : "", rows[i].mode.c_str(), rows[i].budget_gib, rows[i].ms, rows[i].floor_ms,
-                   rows[i].peak_gib);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      std::fprintf(f, "%s{\"mode\": \"%s\", \"budget_gib\": %.4f, \"ms\": %.4f, \"floor_ms\": %.4f, \"peak_gib\": %.4f",
+                   i ? ", " : "", r.mode.c_str(), r.budget_gib, r.ms, r.floor_ms, r.peak_gib);
+      if (r.clocks.runs > 0 && r.clocks.mhz > 0)
+        std::fprintf(f, ", \"sm_mhz\": %u, \"held_runs\": %d, \"floor_sm_mhz\": %u, \"floor_held_runs\": %d",
+                     r.clocks.mhz, r.clocks.held, r.clocks.floor_mhz, r.clocks.floor_held);
+      std::fprintf(f, "}");
+    }
     std::fprintf(f, "]}\n");
     std::fclose(f);
   }
