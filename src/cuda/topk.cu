@@ -248,13 +248,9 @@ __device__ TopBound bound_top(const uint64_t* keys, int n, int k, int capacity, 
   return t;
 }
 
-// out[0, k) = the k largest of keys[0, n), descending (keys may hold zeros, which lose): those
-// bound_top keeps, at most `capacity`, gathered into out and sorted by a bitonic sort padded to a
-// power of two (out holds capacity's, itself a power of two). The caller has synchronised the
-// keys; where n > capacity the caller may have read n from *sh.count (a stage's barriers pass
-// before it is written).
-__device__ void select_top(const uint64_t* keys, int n, int k, uint64_t* out, int capacity, const SelectScratch& sh) {
-  const TopBound t = bound_top(keys, n, k, capacity, sh);
+// out[0, count) = the keys of keys[0, n) that t takes, in no order; returns count. Synchronises
+// the block before and after.
+__device__ int gather_top(const uint64_t* keys, int n, const TopBound& t, uint64_t* out, const SelectScratch& sh) {
   if (threadIdx.x == 0) *sh.count = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -264,7 +260,17 @@ __device__ void select_top(const uint64_t* keys, int n, int k, uint64_t* out, in
     if (take) out[at] = c;
   }
   __syncthreads();
-  sort_desc_padded(out, *sh.count, k);
+  return *sh.count;
+}
+
+// out[0, k) = the k largest of keys[0, n), descending (keys may hold zeros, which lose): those
+// bound_top keeps, at most `capacity`, gathered into out and sorted by a bitonic sort padded to a
+// power of two (out holds capacity's, itself a power of two). The caller has synchronised the
+// keys; where n > capacity the caller may have read n from *sh.count (a stage's barriers pass
+// before it is written).
+__device__ void select_top(const uint64_t* keys, int n, int k, uint64_t* out, int capacity, const SelectScratch& sh) {
+  const int count = gather_top(keys, n, bound_top(keys, n, k, capacity, sh), out, sh);
+  sort_desc_padded(out, count, k);
 }
 
 // select_top with out = keys (shared memory with room for at least k's power of two): the kept
@@ -674,17 +680,9 @@ __global__ void __launch_bounds__(kTopkThreads, kCandidatesBlocksPerSM) topk_can
     finish_copy_list();
 
     // The radix stages narrow the candidates to at most kSelectCapacity k, gathered into merge.
-    const TopBound bound = bound_top(candidates, n, k, kSelectCapacity * k, select_scratch);
-    if (threadIdx.x == 0) sh.count = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const uint64_t c = candidates[i];
-      const bool take = bound.takes(c);
-      const int at = warp_append(&sh.count, take);
-      if (take) sh.merge[at] = c;
-    }
-    __syncthreads();
-    const int gathered = sh.count;
+    const int gathered =
+        gather_top(candidates, n, bound_top(candidates, n, k, kSelectCapacity * k, select_scratch), sh.merge,
+                   select_scratch);
     // Each gathered key's group's runners-up, read before the ranking that hides their wait.
     const uint64_t* row_runners_up = a.runners_up + r * a.candidates_ld;
     uint64_t runner_up[kRankKeysPerThread];
