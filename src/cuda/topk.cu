@@ -566,16 +566,6 @@ static_assert(2 * kTopkFromProductMaxK <= kMergeCapacity, "room for the top k an
 constexpr int kRankKeysPerThread = 2;  // keys a thread ranks (keep_top_ranked)
 static_assert(kMergeCapacity <= kRankKeysPerThread * kTopkThreads, "room to rank a whole merge");
 
-// A tile's column groups as the product's epilogue holds them (row_stats_product.cuh): column i
-// of group g of tile t is 128 t + 8 (i / 2) + 2 g + i % 2; groups are numbered 4 t + g.
-__device__ int64_t group_column(int group, int i) {
-  return int64_t(group / kTopkCandidatesPerTile) * kRowStatsTileColumns + 8 * (i / 2) +
-         2 * (group % kTopkCandidatesPerTile) + i % 2;
-}
-__device__ int column_group(int j) {
-  return (j / int(kRowStatsTileColumns)) * int(kTopkCandidatesPerTile) + (j % 8) / 2;
-}
-
 // keys[0, n) = list[0, n) by asynchronous 16-byte copies (list and keys 16-byte aligned), every
 // thread's copies in flight at once: start_copy_list sends them, finish_copy_list waits for them
 // and synchronises the block, so other reads can go out between. (Copied a key at a time, each

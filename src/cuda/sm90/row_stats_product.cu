@@ -346,8 +346,7 @@ class RowStatsEpilogue {
       if (row_of[k] >= rows) continue;
       const int64_t at = int64_t(row_of[k]) * params_.candidates_ld + int64_t(n_tile) * kTopkCandidatesPerTile + group;
       params_.candidates[at] = best_col[k] >= 0 ? composite(order_key(best[k] * inv_t), best_col[k]) : 0;
-      // The place of column 128 t + 8 j + 2 g + e in its group: 2 j + e.
-      const int second_place = 2 * ((second_col[k] % int(kRowStatsTileColumns)) / 8) + second_col[k] % 2;
+      const int second_place = group_place(second_col[k]);
       params_.runners_up[at] = second_col[k] >= 0
                                    ? runners_up(order_key(second[k] * inv_t), second_place,
                                                 third[k] > -INFINITY ? order_key(third[k] * inv_t) : 0u)
