@@ -915,19 +915,25 @@ TEST_F(Cuda, CallsDoNotWaitForTheStream) {
     ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();  // warm: plans made
     static int hold_ms = 400;
     ASSERT_EQ(cudaLaunchHostFunc(stream, hold_stream, &hold_ms), cudaSuccess);
-    const auto start = std::chrono::steady_clock::now();
-    const lmloss_status status = [&] {
+    auto call = [&] {
       const lmloss_head head = c.head();
       const lmloss_targets targets = c.targets();
       const lmloss_grads grads = c.grads();
       const lmloss_tensor loss = c.loss_tensor(), lse = c.lse_tensor();
       return lmloss_loss_forward_backward(ctx.get(), &head, &targets, &c.options, nullptr, &loss, &lse, &grads);
-    }();
+    };
+    const auto start = std::chrono::steady_clock::now();
+    const lmloss_status status = call();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     const cudaError_t pending = cudaStreamQuery(stream);
     EXPECT_EQ(status, LMLOSS_SUCCESS) << lmloss_last_error();
     EXPECT_EQ(pending, cudaErrorNotReady) << "the call waited for the stream";
     EXPECT_LT(ms, 200.0) << "the call took as long as the held stream";
+    // A query that found work pending is no error of the thread's: the next call's launch checks
+    // must not take it for one.
+    EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+    EXPECT_EQ(call(), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_EQ(cudaStreamQuery(stream), cudaErrorNotReady) << "the hold ended before the second call";
     EXPECT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
     EXPECT_EQ(cudaStreamQuery(stream), cudaSuccess);
   }
