@@ -161,7 +161,8 @@ TEST_P(Loss, LinearCrossEntropyAccumulates) {
   const reference::Problem p = gen.problem(spec);
   for (lmloss_dtype grad : grad_dtypes(dtype(), true)) {
     for (uint32_t flags : {LMLOSS_ACCUMULATE_GRAD_WEIGHT, LMLOSS_ACCUMULATE_GRAD_BIAS,
-                           LMLOSS_ACCUMULATE_GRAD_WEIGHT | LMLOSS_ACCUMULATE_GRAD_BIAS}) {
+                           LMLOSS_ACCUMULATE_GRAD_WEIGHT | LMLOSS_ACCUMULATE_GRAD_BIAS,
+                           LMLOSS_ACCUMULATE_GRAD_WEIGHT | LMLOSS_SUM_GRAD_WEIGHT_IN_F32}) {
       SCOPED_TRACE(cat("grad ", dtype_name(grad), ", flags ", flags));
       lmloss_loss_options o = lmloss_loss_options_default();
       o.flags = flags;

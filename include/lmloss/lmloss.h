@@ -175,6 +175,11 @@ typedef enum lmloss_reduction {
 /* Option flags. */
 #define LMLOSS_ACCUMULATE_GRAD_WEIGHT 1u /* add into grad_weight instead of overwriting it */
 #define LMLOSS_ACCUMULATE_GRAD_BIAS 2u   /* add into grad_bias instead of overwriting it */
+/* A bf16/f16 grad_weight summed in f32 over the token chunks and rounded once, instead of rounded
+ * after each chunk. CUDA: half of the f32 sum is held in grad_weight's own bytes (when its rows are
+ * dense), the rest in (vocab - vocab / 2) x hidden x 4 bytes of workspace taken for the call
+ * beyond the budget. The CPU always sums so. */
+#define LMLOSS_SUM_GRAD_WEIGHT_IN_F32 4u
 
 typedef struct lmloss_loss_options {
   uint32_t struct_size;        /* sizeof(lmloss_loss_options), set by the initializer */

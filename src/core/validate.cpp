@@ -154,7 +154,7 @@ lmloss_status check_options(const lmloss_loss_options& o) {
     return invalid("options.label_smoothing", "must be in [0, 1]");
   if (!finite(o.z_loss) || o.z_loss < 0) return invalid("options.z_loss", "must be finite and >= 0");
   LMLOSS_CHECK(check_scaling(o.softcap, o.temperature, "options.softcap", "options.temperature"));
-  if (o.flags & ~(LMLOSS_ACCUMULATE_GRAD_WEIGHT | LMLOSS_ACCUMULATE_GRAD_BIAS))
+  if (o.flags & ~(LMLOSS_ACCUMULATE_GRAD_WEIGHT | LMLOSS_ACCUMULATE_GRAD_BIAS | LMLOSS_SUM_GRAD_WEIGHT_IN_F32))
     return invalid("options.flags", "unknown flag bits");
   return LMLOSS_SUCCESS;
 }

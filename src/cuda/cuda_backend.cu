@@ -9,6 +9,7 @@
 //               (plan_separate_grad); f16 gradients are stored times S (see CallScalars)
 //   dX_chunk (rows, hidden) = G W / S                          cuBLASLt
 //   dW (vocab, hidden)     += G^T X_chunk / S                  cuBLASLt, beta 1 after the first chunk
+//                              (16-bit: in f32 on request, rounded once: weight_grad_rows_in_place)
 //   db (vocab)             += column sums of G / S, rows in order
 // A forward (without a teacher) or fused call of a 16-bit linear head without bias or
 // soft-capping, on an sm_90 device, takes each chunk's statistics in the product's epilogue
@@ -213,6 +214,18 @@ class Workspace {
   void* base_ = nullptr;
   size_t bytes_ = 0;
 };
+
+// With LMLOSS_SUM_GRAD_WEIGHT_IN_F32, a bf16/f16 dW of a linear head is summed in f32 over the
+// chunks and rounded once at the end, as on the CPU, without an f32 copy of all of it: its first
+// rows (half the vocabulary, where the caller's rows are dense and 16-byte aligned: the bytes
+// between strided rows may be another tensor's) are summed over the caller's own bytes (see
+// launch_regroup_rows), the rest in a dense f32 tail of workspace, (vocab - rows) x hidden x 4
+// bytes taken for the call beyond the budget (as an f32 dW of the caller's would be).
+int64_t weight_grad_rows_in_place(const lmloss_tensor& grad_weight, int64_t vocab, int64_t hidden) {
+  const bool dense = row_stride(grad_weight) == hidden && reinterpret_cast<uintptr_t>(grad_weight.data) % 16 == 0;
+  // Multiples of 8 rows keep the tail's columns of the gradient chunk on 16 bytes.
+  return dense ? vocab / 2 / 8 * 8 : 0;
+}
 
 // ---- planning --------------------------------------------------------------------------------
 // A call's workspace is a list of pieces, each `fixed + per_row * rows` bytes (the top-k sort's
@@ -946,6 +959,31 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   const int64_t x_ld = call.linear ? row_stride(call.head.hidden) : 0;
   const int64_t in_size = int64_t(core::dtype_size(call.input_dtype));
 
+  // dW's rows as the products and the label term add to them: a 16-bit dW summed in f32 in place
+  // and in its tail (see weight_grad_rows_in_place), widened first when the call adds to it.
+  const bool wide_dw = call.linear && grads && g.grad_weight.data && g.grad_weight.dtype != LMLOSS_F32 &&
+                       (o.flags & LMLOSS_SUM_GRAD_WEIGHT_IN_F32);
+  WeightGradRows dw;
+  dw.rows = g.grad_weight.data;
+  dw.ld = row_stride(g.grad_weight);
+  dw.split = call.vocab;
+  dw.dtype = g.grad_weight.dtype;
+  Workspace dw_tail(r.context, r.state.device, r.stream);
+  if (wide_dw) {
+    dw.split = weight_grad_rows_in_place(g.grad_weight, call.vocab, call.hidden);
+    dw.tail_ld = call.hidden;
+    dw.dtype = LMLOSS_F32;
+    LMLOSS_CHECK(dw_tail.acquire(sizeof(float) * size_t(call.vocab - dw.split) * size_t(call.hidden)));
+    dw.tail = dw_tail.at<void>(0);
+    if (accumulate_w) {
+      const size_t w_size = core::dtype_size(g.grad_weight.dtype);
+      LMLOSS_CHECK(launch_scale_rows(static_cast<const char*>(dw.rows) + dw.split * dw.ld * w_size, g.grad_weight.dtype,
+                                     dw.ld, nullptr, nullptr, call.vocab - dw.split, call.hidden, dw.tail, dw.tail_ld,
+                                     LMLOSS_F32, r.stream));
+      LMLOSS_CHECK(launch_regroup_rows(dw.rows, g.grad_weight.dtype, dw.split, call.hidden, dw.ld, false, r.stream));
+    }
+  }
+
   const int64_t chunks = plan_chunk_count(plan, call.n_tokens);
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const auto [row0, rows] = chunk_span(plan, call.n_tokens, chunk);
@@ -1060,14 +1098,14 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       // dW: column-major (hidden, vocab) = X_chunk^T (hidden, rows) * G (rows, vocab).
       MatmulShape s;
       s.m = call.hidden;
-      s.n = call.vocab;
+      s.n = dw.split;
       s.k = rows;
       s.trans_b = true;
       s.lda = x_ld;
       s.ldb = plan.grad_ld;
-      s.ldd = row_stride(g.grad_weight);
+      s.ldd = dw.ld;
       s.ab_type = gtype;
-      s.d_type = g.grad_weight.dtype;
+      s.d_type = dw.dtype;
       s.workspace_bytes = matmul_ws_bytes;
       // 128 x 160 tiles where offered: the fastest of the heuristic's 8 candidates for 16-bit
       // chunks into an f32 dW on an H200 (cuBLASLt 13.1), with beta 0 and 1 alike, at llama3-8b
@@ -1084,12 +1122,19 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         s.lda = call.hidden;
         alpha = &scalars->token_scale;
       }
-      LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad, g.grad_weight.data, alpha,
-                                      add ? &scalars->one : &scalars->zero, matmul_ws, r.stream,
-                                      r.context.tune_products));
+      const float* beta = add ? &scalars->one : &scalars->zero;
+      if (s.n > 0)
+        LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad, dw.rows, alpha, beta, matmul_ws, r.stream,
+                                        r.context.tune_products));
+      if (dw.split < call.vocab) {  // the tail: the gradient's columns from split on
+        s.n = call.vocab - dw.split;
+        s.ldd = dw.tail_ld;
+        LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad + dw.split * int64_t(core::dtype_size(gtype)), dw.tail,
+                                        alpha, beta, matmul_ws, r.stream, r.context.tune_products));
+      }
       if (label_rows.coef)
         LMLOSS_CHECK(launch_add_label_rows(label_order, call.n_tokens, label_rows, rows, x_chunk, x_ld, call.hidden,
-                                           g.grad_weight.data, s.ldd, g.grad_weight.dtype, r.stream));
+                                           dw, r.stream));
     }
     if (bias_grad)
       LMLOSS_CHECK(launch_column_sum(grad, plan.grad_ld, gtype, rows, call.vocab, row0 > 0, scalars,
@@ -1097,6 +1142,13 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     if (plan.dx_beside_dw) LMLOSS_CHECK(side.join());
   }
 
+  if (wide_dw) {  // rounded once: the rows in place first, as the tail's go over their bytes
+    LMLOSS_CHECK(launch_regroup_rows(dw.rows, g.grad_weight.dtype, dw.split, call.hidden, dw.ld, true, r.stream));
+    const size_t w_size = core::dtype_size(g.grad_weight.dtype);
+    LMLOSS_CHECK(launch_scale_rows(dw.tail, LMLOSS_F32, dw.tail_ld, nullptr, nullptr, call.vocab - dw.split,
+                                   call.hidden, static_cast<char*>(dw.rows) + dw.split * dw.ld * w_size, dw.ld,
+                                   g.grad_weight.dtype, r.stream));
+  }
   if (reduced_loss) LMLOSS_CHECK(launch_reduce_loss(token_loss, call.n_tokens, scalars,
                                                     static_cast<float*>(call.loss.data), r.stream));
   if (bias_grad)

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "core/dtype.hpp"
 #include "cuda/row_stats_product.cuh"
@@ -538,7 +540,8 @@ template <typename TOut, int kWidth>
 __global__ void __launch_bounds__(kLabelThreads)
     add_label_rows_kernel(const uint32_t* keys, const int32_t* tokens, int64_t n_tokens, const LabelRows label,
                           int64_t rows, const __nv_bfloat16* __restrict__ x, int64_t x_ld, int64_t cols,
-                          TOut* __restrict__ out, int64_t out_ld) {
+                          TOut* __restrict__ out, int64_t out_ld, TOut* __restrict__ tail, int64_t tail_ld,
+                          int64_t split) {
   const int64_t end = label.row0 + rows;
   for (int64_t p = blockIdx.x; p < n_tokens; p += gridDim.x) {
     const uint32_t key = keys[p];
@@ -547,7 +550,7 @@ __global__ void __launch_bounds__(kLabelThreads)
     if (p > 0 && keys[p - 1] == key && tokens[p - 1] >= label.row0) continue;  // not the first
     int64_t last = p;
     while (last + 1 < n_tokens && keys[last + 1] == key && tokens[last + 1] < end) ++last;
-    TOut* o = out + int64_t(key) * out_ld;
+    TOut* o = key < split ? out + int64_t(key) * out_ld : tail + (int64_t(key) - split) * tail_ld;
     for (int64_t j = int64_t(threadIdx.x) * kWidth; j < cols; j += int64_t(blockDim.x) * kWidth) {
       float sum[kWidth] = {};
       for (int64_t q = p; q <= last; ++q) {
@@ -563,6 +566,48 @@ __global__ void __launch_bounds__(kLabelThreads)
       for (int e = 0; e < kWidth; ++e) ov.v[e] = from_float<TOut>(to_float(ov.v[e]) + sum[e]);
       *at = ov;
     }
+  }
+}
+
+// Rows of a 16-bit dW summed in f32 over its own bytes (launch_regroup_rows). Narrowing row u writes
+// over f32 row u / 2 and widening it over 16-bit rows 2u and 2u + 1, so the rows go in waves
+// [a, 2a) (after row 0), narrowed upwards and widened downwards: no wave writes what a later one
+// reads, nor what its own blocks read. Row 0 alone overlaps itself, so a block walks its row in
+// steps, each read whole before it is written (up the row when narrowing, down when widening).
+constexpr int kRegroupThreads = 256;
+template <typename T16, int kWidth, bool kNarrow>
+__global__ void __launch_bounds__(kRegroupThreads)
+    regroup_rows_kernel(char* base, int64_t row0, int64_t cols, int64_t ld) {
+  const int64_t row = row0 + blockIdx.x;
+  float* wide = reinterpret_cast<float*>(base + row * ld * int64_t(sizeof(float)));
+  T16* narrow = reinterpret_cast<T16*>(base + row * ld * int64_t(sizeof(T16)));
+  constexpr int64_t kStep = int64_t(kRegroupThreads) * kWidth;
+  const int64_t steps = (cols + kStep - 1) / kStep;
+  for (int64_t i = 0; i < steps; ++i) {
+    const int64_t j = (kNarrow ? i : steps - 1 - i) * kStep + int64_t(threadIdx.x) * kWidth;
+    const bool mine = j < cols;  // kWidth divides cols
+    Pack<float, kWidth> v;
+    if (mine) {
+      if constexpr (kNarrow) {
+        v = *reinterpret_cast<const Pack<float, kWidth>*>(wide + j);
+      } else {
+        const Pack<T16, kWidth> h = *reinterpret_cast<const Pack<T16, kWidth>*>(narrow + j);
+#pragma unroll
+        for (int e = 0; e < kWidth; ++e) v.v[e] = to_float(h.v[e]);
+      }
+    }
+    __syncthreads();
+    if (mine) {
+      if constexpr (kNarrow) {
+        Pack<T16, kWidth> h;
+#pragma unroll
+        for (int e = 0; e < kWidth; ++e) h.v[e] = from_float<T16>(v.v[e]);
+        *reinterpret_cast<Pack<T16, kWidth>*>(narrow + j) = h;
+      } else {
+        *reinterpret_cast<Pack<float, kWidth>*>(wide + j) = v;
+      }
+    }
+    __syncthreads();
   }
 }
 
@@ -824,31 +869,66 @@ lmloss_status launch_label_order(const void* labels, lmloss_dtype labels_dtype, 
 }
 
 lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, const LabelRows& label,
-                                    int64_t rows, const void* x, int64_t x_ld, int64_t cols, void* out,
-                                    int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream) {
+                                    int64_t rows, const void* x, int64_t x_ld, int64_t cols,
+                                    const WeightGradRows& out, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return LMLOSS_SUCCESS;
   const LabelOrder o = label_order_at(workspace, n_tokens);
   const unsigned blocks = unsigned(std::min<int64_t>(n_tokens, 1 << 20));
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
-  const size_t out_size = core::dtype_size(out_dtype);
-  const bool vector = cols % 8 == 0 && x_ld % 8 == 0 && out_ld % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                      reinterpret_cast<uintptr_t>(out) % (8 * out_size) == 0;
+  const size_t out_size = core::dtype_size(out.dtype);
+  const bool has_tail = out.split < label.vocab;
+  auto rows_line_up = [&](const void* p, int64_t ld) {
+    return ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % (8 * out_size) == 0;
+  };
+  const bool vector = cols % 8 == 0 && x_ld % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                      rows_line_up(out.rows, out.ld) && (!has_tail || rows_line_up(out.tail, out.tail_ld));
   auto launch = [&](auto* typed_out) {
     using TOut = std::remove_pointer_t<decltype(typed_out)>;
+    auto* tail = static_cast<TOut*>(out.tail);
     if (vector)
-      add_label_rows_kernel<TOut, 8><<<blocks, kLabelThreads, 0, stream>>>(o.keys, o.tokens, n_tokens, label, rows,
-                                                                           xb, x_ld, cols, typed_out, out_ld);
+      add_label_rows_kernel<TOut, 8><<<blocks, kLabelThreads, 0, stream>>>(
+          o.keys, o.tokens, n_tokens, label, rows, xb, x_ld, cols, typed_out, out.ld, tail, out.tail_ld, out.split);
     else
-      add_label_rows_kernel<TOut, 1><<<blocks, kLabelThreads, 0, stream>>>(o.keys, o.tokens, n_tokens, label, rows,
-                                                                           xb, x_ld, cols, typed_out, out_ld);
+      add_label_rows_kernel<TOut, 1><<<blocks, kLabelThreads, 0, stream>>>(
+          o.keys, o.tokens, n_tokens, label, rows, xb, x_ld, cols, typed_out, out.ld, tail, out.tail_ld, out.split);
   };
-  switch (out_dtype) {
-    case LMLOSS_F32: launch(static_cast<float*>(out)); break;
-    case LMLOSS_BF16: launch(static_cast<__nv_bfloat16*>(out)); break;
-    case LMLOSS_F16: launch(static_cast<__half*>(out)); break;
+  switch (out.dtype) {
+    case LMLOSS_F32: launch(static_cast<float*>(out.rows)); break;
+    case LMLOSS_BF16: launch(static_cast<__nv_bfloat16*>(out.rows)); break;
+    case LMLOSS_F16: launch(static_cast<__half*>(out.rows)); break;
     default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
   }
   LMLOSS_CUDA_LAUNCHED("add_label_rows_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status launch_regroup_rows(void* base, lmloss_dtype dtype, int64_t rows, int64_t cols, int64_t ld,
+                                  bool narrow, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return LMLOSS_SUCCESS;
+  if (dtype != LMLOSS_BF16 && dtype != LMLOSS_F16)
+    return core::fail(LMLOSS_ERROR_INTERNAL, "regrouping rows: bf16 or f16 only");
+  const bool vector = cols % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
+  auto wave = [&](int64_t a, int64_t b) {
+    auto* bytes = static_cast<char*>(base);
+    const unsigned blocks = unsigned(b - a);
+    auto launch = [&](auto kernel) { kernel<<<blocks, kRegroupThreads, 0, stream>>>(bytes, a, cols, ld); };
+    auto with_type = [&](auto typed) {
+      using T16 = decltype(typed);
+      if (vector) launch(narrow ? regroup_rows_kernel<T16, 4, true> : regroup_rows_kernel<T16, 4, false>);
+      else launch(narrow ? regroup_rows_kernel<T16, 1, true> : regroup_rows_kernel<T16, 1, false>);
+    };
+    if (dtype == LMLOSS_BF16) with_type(__nv_bfloat16{});
+    else with_type(__half{});
+  };
+  // Waves [0, 1), [1, 2), [2, 4), ...: upwards to narrow, downwards to widen.
+  std::vector<std::pair<int64_t, int64_t>> waves{{0, 1}};
+  for (int64_t a = 1; a < rows; a *= 2) waves.push_back({a, std::min(2 * a, rows)});
+  if (narrow) {
+    for (const auto& [a, b] : waves) wave(a, b);
+  } else {
+    for (auto w = waves.rbegin(); w != waves.rend(); ++w) wave(w->first, w->second);
+  }
+  LMLOSS_CUDA_LAUNCHED("regroup_rows_kernel");
   return LMLOSS_SUCCESS;
 }
 

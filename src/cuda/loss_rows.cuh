@@ -253,10 +253,28 @@ size_t label_order_bytes(int64_t n_tokens);
 // workspace: label_order_bytes(n_tokens) of them.
 lmloss_status launch_label_order(const void* labels, lmloss_dtype labels_dtype, int64_t n_tokens,
                                  int64_t vocab, void* workspace, size_t workspace_bytes, cudaStream_t stream);
-// x: the chunk's rows (bf16, row stride x_ld); out (vocab, cols) of row stride out_ld, f32, bf16
-// or f16; `workspace` as launch_label_order left it.
+// Where dW's rows are: rows below `split` at `rows` (row stride ld), the others at `tail` (row
+// stride tail_ld; row split first), all of one dtype. split = vocab: dW in one place.
+struct WeightGradRows {
+  void* rows = nullptr;
+  int64_t ld = 0;
+  void* tail = nullptr;
+  int64_t tail_ld = 0;
+  int64_t split = 0;
+  lmloss_dtype dtype = LMLOSS_F32;
+};
+// x: the chunk's rows (bf16, row stride x_ld); out (vocab, cols) f32, bf16 or f16; `workspace` as
+// launch_label_order left it.
 lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, const LabelRows& label,
-                                    int64_t rows, const void* x, int64_t x_ld, int64_t cols, void* out,
-                                    int64_t out_ld, lmloss_dtype out_dtype, cudaStream_t stream);
+                                    int64_t rows, const void* x, int64_t x_ld, int64_t cols,
+                                    const WeightGradRows& out, cudaStream_t stream);
+
+// A 16-bit dW summed in f32 over its own bytes: the first `rows` rows of a (vocab, cols) bf16 or
+// f16 matrix of row stride ld (in its elements) hold f32 values at row stride ld instead, f32 row
+// u over the bytes of 16-bit rows 2u and 2u + 1 and what lies between them (so rows <= vocab / 2,
+// and ld = cols unless those bytes are the caller's to use). Narrowing rounds them once into their
+// own 16-bit rows, in place; widening is its inverse. base: 4-byte aligned.
+lmloss_status launch_regroup_rows(void* base, lmloss_dtype dtype, int64_t rows, int64_t cols, int64_t ld,
+                                  bool narrow, cudaStream_t stream);
 
 }  // namespace lmloss::cuda
