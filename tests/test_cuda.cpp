@@ -397,11 +397,8 @@ TEST_F(Cuda, FusedStepOfAChunkTallerThanOneProductLaunchMatchesReference) {
 // them are not the library's to use) and a vocabulary too narrow for rows in place.
 TEST_F(Cuda, SixteenBitWeightGradientIsRoundedOnceFromItsF32Sum) {
   Generator gen(4038);
-  struct Shape {
-    int64_t n_tokens, vocab, hidden, row_padding;
-  };
-  for (const Shape shape : {Shape{700, 1999, 72, 0}, Shape{700, 1999, 72, 8}, Shape{1, 1999, 72, 0},
-                            Shape{300, 15, 64, 0}}) {
+  for (const ProductShape shape : {ProductShape{700, 1999, 72, 0}, ProductShape{700, 1999, 72, 8},
+                                   ProductShape{1, 1999, 72, 0}, ProductShape{300, 15, 64, 0}}) {
     for (lmloss_dtype dtype : {LMLOSS_BF16, LMLOSS_F16}) {
       for (const char* name : {"plain", "smoothing_zloss_softcap_temperature", "distill_mixed"}) {
         for (bool accumulate : {false, true}) {
