@@ -595,10 +595,7 @@ class ModesBench {
       cuda_check(cudaEventRecord(stop, stream_), "record");
       Run run{};
       std::vector<double> mhz;
-      // (A query that finds the event not yet reached leaves that as the last error: cleared, so
-      // that the next launch's check does not read it.)
       while (clock_probe_ && clock_probe_->ok() && cudaEventQuery(stop) == cudaErrorNotReady) {
-        cudaGetLastError();
         const ClockProbe::Sample c = clock_probe_->sample();
         mhz.push_back(c.mhz);
         run.clock.held = run.clock.held || c.held;

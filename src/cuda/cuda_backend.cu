@@ -969,17 +969,17 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   dw.split = call.vocab;
   dw.dtype = g.grad_weight.dtype;
   Workspace dw_tail(r.context, r.state.device, r.stream);
+  char* tail_rows16 = nullptr;  // the caller's 16-bit rows from split on, the tail's at the end
   if (wide_dw) {
     dw.split = weight_grad_rows_in_place(g.grad_weight, call.vocab, call.hidden);
     dw.tail_ld = call.hidden;
     dw.dtype = LMLOSS_F32;
     LMLOSS_CHECK(dw_tail.acquire(sizeof(float) * size_t(call.vocab - dw.split) * size_t(call.hidden)));
     dw.tail = dw_tail.at<void>(0);
+    tail_rows16 = static_cast<char*>(dw.rows) + dw.split * dw.ld * int64_t(core::dtype_size(g.grad_weight.dtype));
     if (accumulate_w) {
-      const size_t w_size = core::dtype_size(g.grad_weight.dtype);
-      LMLOSS_CHECK(launch_scale_rows(static_cast<const char*>(dw.rows) + dw.split * dw.ld * w_size, g.grad_weight.dtype,
-                                     dw.ld, nullptr, nullptr, call.vocab - dw.split, call.hidden, dw.tail, dw.tail_ld,
-                                     LMLOSS_F32, r.stream));
+      LMLOSS_CHECK(launch_scale_rows(tail_rows16, g.grad_weight.dtype, dw.ld, nullptr, nullptr, call.vocab - dw.split,
+                                     call.hidden, dw.tail, dw.tail_ld, LMLOSS_F32, r.stream));
       LMLOSS_CHECK(launch_regroup_rows(dw.rows, g.grad_weight.dtype, dw.split, call.hidden, dw.ld, false, r.stream));
     }
   }
@@ -1144,10 +1144,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
 
   if (wide_dw) {  // rounded once: the rows in place first, as the tail's go over their bytes
     LMLOSS_CHECK(launch_regroup_rows(dw.rows, g.grad_weight.dtype, dw.split, call.hidden, dw.ld, true, r.stream));
-    const size_t w_size = core::dtype_size(g.grad_weight.dtype);
     LMLOSS_CHECK(launch_scale_rows(dw.tail, LMLOSS_F32, dw.tail_ld, nullptr, nullptr, call.vocab - dw.split,
-                                   call.hidden, static_cast<char*>(dw.rows) + dw.split * dw.ld * w_size, dw.ld,
-                                   g.grad_weight.dtype, r.stream));
+                                   call.hidden, tail_rows16, dw.ld, g.grad_weight.dtype, r.stream));
   }
   if (reduced_loss) LMLOSS_CHECK(launch_reduce_loss(token_loss, call.n_tokens, scalars,
                                                     static_cast<float*>(call.loss.data), r.stream));

@@ -10,7 +10,6 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "core/dtype.hpp"
@@ -569,19 +568,16 @@ __global__ void __launch_bounds__(kLabelThreads)
   }
 }
 
-// Rows of a 16-bit dW summed in f32 over its own bytes (launch_regroup_rows). Narrowing row u writes
-// over f32 row u / 2 and widening it over 16-bit rows 2u and 2u + 1, so the rows go in waves
-// [a, 2a) (after row 0), narrowed upwards and widened downwards: no wave writes what a later one
-// reads, nor what its own blocks read. Row 0 alone overlaps itself, so a block walks its row in
-// steps, each read whole before it is written (up the row when narrowing, down when widening).
-constexpr int kRegroupThreads = 256;
+// Row 0 of a 16-bit dW summed in f32 over its own bytes (launch_regroup_rows), the one row whose
+// f32 and 16-bit values share bytes: one block walks it in steps, each read whole before any of it
+// is written, up the row when narrowing and down when widening, so that no step writes over values
+// a later one reads.
+constexpr int kFirstRowThreads = 256;
 template <typename T16, int kWidth, bool kNarrow>
-__global__ void __launch_bounds__(kRegroupThreads)
-    regroup_rows_kernel(char* base, int64_t row0, int64_t cols, int64_t ld) {
-  const int64_t row = row0 + blockIdx.x;
-  float* wide = reinterpret_cast<float*>(base + row * ld * int64_t(sizeof(float)));
-  T16* narrow = reinterpret_cast<T16*>(base + row * ld * int64_t(sizeof(T16)));
-  constexpr int64_t kStep = int64_t(kRegroupThreads) * kWidth;
+__global__ void __launch_bounds__(kFirstRowThreads) regroup_first_row_kernel(void* base, int64_t cols) {
+  float* wide = static_cast<float*>(base);
+  T16* narrow = static_cast<T16*>(base);
+  constexpr int64_t kStep = int64_t(kFirstRowThreads) * kWidth;
   const int64_t steps = (cols + kStep - 1) / kStep;
   for (int64_t i = 0; i < steps; ++i) {
     const int64_t j = (kNarrow ? i : steps - 1 - i) * kStep + int64_t(threadIdx.x) * kWidth;
@@ -907,28 +903,41 @@ lmloss_status launch_regroup_rows(void* base, lmloss_dtype dtype, int64_t rows, 
   if (rows == 0 || cols == 0) return LMLOSS_SUCCESS;
   if (dtype != LMLOSS_BF16 && dtype != LMLOSS_F16)
     return core::fail(LMLOSS_ERROR_INTERNAL, "regrouping rows: bf16 or f16 only");
-  const bool vector = cols % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
-  auto wave = [&](int64_t a, int64_t b) {
-    auto* bytes = static_cast<char*>(base);
-    const unsigned blocks = unsigned(b - a);
-    auto launch = [&](auto kernel) { kernel<<<blocks, kRegroupThreads, 0, stream>>>(bytes, a, cols, ld); };
+  auto* bytes = static_cast<char*>(base);
+  auto first_row = [&]() -> lmloss_status {
+    const bool vector = cols % 4 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
     auto with_type = [&](auto typed) {
       using T16 = decltype(typed);
-      if (vector) launch(narrow ? regroup_rows_kernel<T16, 4, true> : regroup_rows_kernel<T16, 4, false>);
-      else launch(narrow ? regroup_rows_kernel<T16, 1, true> : regroup_rows_kernel<T16, 1, false>);
+      auto launch = [&](auto kernel) { kernel<<<1, kFirstRowThreads, 0, stream>>>(base, cols); };
+      if (vector) launch(narrow ? regroup_first_row_kernel<T16, 4, true> : regroup_first_row_kernel<T16, 4, false>);
+      else launch(narrow ? regroup_first_row_kernel<T16, 1, true> : regroup_first_row_kernel<T16, 1, false>);
     };
     if (dtype == LMLOSS_BF16) with_type(__nv_bfloat16{});
     else with_type(__half{});
+    LMLOSS_CUDA_LAUNCHED("regroup_first_row_kernel");
+    return LMLOSS_SUCCESS;
   };
-  // Waves [0, 1), [1, 2), [2, 4), ...: upwards to narrow, downwards to widen.
-  std::vector<std::pair<int64_t, int64_t>> waves{{0, 1}};
-  for (int64_t a = 1; a < rows; a *= 2) waves.push_back({a, std::min(2 * a, rows)});
+  // Rows [a, b) with b <= 2a: narrowing row u writes over f32 row u / 2 and widening it over
+  // 16-bit rows 2u and 2u + 1, so within such a wave no row's values go over another's of the same
+  // wave, and the rows' own rounding (launch_scale_rows) takes them. The waves run [1, 2), [2, 4),
+  // ... upwards after row 0 to narrow, downwards before it to widen: none writes what a later one
+  // reads.
+  const size_t size16 = core::dtype_size(dtype);
+  auto wave = [&](int64_t a, int64_t b) {
+    char* wide = bytes + a * ld * int64_t(sizeof(float));
+    char* narrowed = bytes + a * ld * int64_t(size16);
+    return narrow ? launch_scale_rows(wide, LMLOSS_F32, ld, nullptr, nullptr, b - a, cols, narrowed, ld, dtype, stream)
+                  : launch_scale_rows(narrowed, dtype, ld, nullptr, nullptr, b - a, cols, wide, ld, LMLOSS_F32, stream);
+  };
+  std::vector<int64_t> starts;
+  for (int64_t a = 1; a < rows; a *= 2) starts.push_back(a);
   if (narrow) {
-    for (const auto& [a, b] : waves) wave(a, b);
+    LMLOSS_CHECK(first_row());
+    for (const int64_t a : starts) LMLOSS_CHECK(wave(a, std::min(2 * a, rows)));
   } else {
-    for (auto w = waves.rbegin(); w != waves.rend(); ++w) wave(w->first, w->second);
+    for (auto a = starts.rbegin(); a != starts.rend(); ++a) LMLOSS_CHECK(wave(*a, std::min(2 * *a, rows)));
+    LMLOSS_CHECK(first_row());
   }
-  LMLOSS_CUDA_LAUNCHED("regroup_rows_kernel");
   return LMLOSS_SUCCESS;
 }
 
