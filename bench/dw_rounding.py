@@ -1,0 +1,84 @@
+"""How far a bf16 weight gradient drifts from float64 when it is rounded after every chunk of
+tokens, against rounded once: an emulation in NumPy of the roundings alone (no GPU needed).
+
+    python3 bench/dw_rounding.py --tokens 8192 --vocab 128256 --hidden 64 --chunk-rows 2816
+
+dW = G^T X summed over the token chunks, G = (softmax - one-hot) / N, on the benchmarks' data
+(X standard normal, W of spread 2 / sqrt(H), uniform labels), inputs and G's soft part in bf16 as
+the products take them, products summed exactly. Rows:
+  naive bf16      G rounded to bf16 whole, one product, its f32 sum rounded once (PyTorch's path)
+  rounded once    the f32 sum over the chunks rounded once (LMLOSS_SUM_GRAD_WEIGHT_IN_F32, the CPU)
+  per chunk       the bf16 dW read, the chunk's product added, rounded: once a chunk
+  per chunk x2    as per chunk, the one-hot term added and rounded apart (the exponential form)
+Each element's error depends on its own sum, not on H, so a small H stands for a model's.
+"""
+
+import argparse
+import time
+
+import numpy as np
+
+
+def bf16(a):
+    """a rounded to the nearest bf16 (ties to even), as float32."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return bits.view(np.float32)
+
+
+def relative_error(out, ref):
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def emulate(n, v, h, chunk_rows, seed=0):
+    rng = np.random.default_rng(seed)
+    x = bf16(rng.standard_normal((n, h), dtype=np.float32))
+    w = bf16(rng.standard_normal((v, h), dtype=np.float32) * np.float32(2.0 / np.sqrt(h)))
+    y = rng.integers(0, v, n)
+    exact = np.zeros((v, h))       # float64 sum of the exact G
+    summed = np.zeros((v, h))      # the products' sums, not rounded
+    naive = np.zeros((v, h))
+    per_chunk = np.zeros((v, h), np.float32)
+    per_chunk_x2 = np.zeros((v, h), np.float32)
+    for r0 in range(0, n, chunk_rows):
+        xc = x[r0:r0 + chunk_rows]
+        yc = y[r0:r0 + chunk_rows]
+        x64 = xc.astype(np.float64)
+        p = xc @ w.T
+        p -= p.max(axis=1, keepdims=True)
+        np.exp(p, out=p)
+        p /= p.sum(axis=1, keepdims=True)
+        one_hot = np.zeros((v, h))
+        np.add.at(one_hot, yc, -x64 / n)
+        soft = bf16(p / n).T.astype(np.float64) @ x64
+        exact += (p / n).T.astype(np.float64) @ x64 + one_hot
+        summed += soft + one_hot
+        per_chunk = bf16(per_chunk + soft + one_hot)
+        per_chunk_x2 = bf16(bf16(per_chunk_x2 + soft) + one_hot)
+        p[np.arange(len(yc)), yc] -= 1.0
+        p /= n
+        naive += bf16(p).T.astype(np.float64) @ x64
+    return dict(chunks=-(-n // chunk_rows), naive=relative_error(bf16(naive), exact),
+                once=relative_error(bf16(summed), exact), per_chunk=relative_error(per_chunk, exact),
+                per_chunk_x2=relative_error(per_chunk_x2, exact), f32_sum=relative_error(summed, exact))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--chunk-rows", default="2816", help="comma list: one emulation each")
+    args = ap.parse_args()
+    print("# relative error of dW against float64 (norm of the difference / norm)")
+    for rows in map(int, args.chunk_rows.split(",")):
+        t0 = time.time()
+        e = emulate(args.tokens, args.vocab, args.hidden, rows)
+        print(f"N {args.tokens} V {args.vocab} H {args.hidden}, {e['chunks']} chunks of {rows} rows: "
+              f"naive bf16 {e['naive']:.2e}  rounded once {e['once']:.2e}  per chunk {e['per_chunk']:.2e}  "
+              f"per chunk x2 {e['per_chunk_x2']:.2e}  (unrounded {e['f32_sum']:.1e}; {time.time() - t0:.0f} s)",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
