@@ -16,10 +16,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+
 from . import _lmloss
-from ._arrays import Array, as_array, empty, to_float
+from ._arrays import FLOAT_DTYPES, Array, as_array, empty, to_float
 
 _REDUCTIONS = ("mean", "sum", "none")
+_SIXTEEN_BIT = ("bfloat16", "float16")
 
 
 @dataclass
@@ -300,8 +303,6 @@ def _inplace_rows(z: Array):
     """The logits as rows that alias the caller's memory, or ValueError naming them."""
     v = z.shape[-1]
     if z.kind == "numpy":
-        import numpy as np
-
         if not z.data.flags.writeable:
             raise ValueError("logits: is read-only; inplace_grad needs a writable array")
         rows = z.data.reshape(-1, v)
@@ -338,14 +339,38 @@ def _bias_rows(b: Optional[Array]):
     return b.flat() if b.ndim == 1 else b.data
 
 
+def _grad_weight_dtype(value, x: Array) -> str:
+    """The dtype grad_weight is returned in: hidden's by default, else one given as a string, a
+    NumPy dtype or a torch.dtype (the library says which it takes: hidden's or float32)."""
+    if value is None:
+        return x.dtype
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.dtype):
+        name = str(value).replace("torch.", "")
+    elif isinstance(value, str):
+        name = value
+    else:
+        try:
+            name = np.dtype(value).name
+        except TypeError:
+            raise TypeError(f"grad_weight_dtype: expected a dtype, got {value!r}") from None
+    if name not in FLOAT_DTYPES:
+        raise TypeError(f"grad_weight_dtype: expected one of {', '.join(FLOAT_DTYPES)}, got {name}")
+    return name
+
+
 def _linear_grads(x: Array, w: Array, b: Optional[Array], n: int, grad: bool,
-                  grad_weight: bool) -> dict:
+                  grad_weight: bool, weight_dtype: str) -> dict:
+    """The gradient arrays the library writes. A 16-bit grad_weight is summed in float32 and
+    rounded once (the library's flag for it: on CUDA it would be rounded after each chunk of
+    tokens otherwise), as the library always sums a grad_bias."""
     if not grad:
         return {}
     return dict(
         grad_hidden=empty(x, (n, x.shape[-1]), x.dtype),
-        grad_weight=empty(x, w.shape, x.dtype) if grad_weight else None,
+        grad_weight=empty(x, w.shape, weight_dtype) if grad_weight else None,
         grad_bias=empty(x, (w.shape[0],), x.dtype) if b is not None else None,
+        sum_grad_weight_in_f32=grad_weight and weight_dtype in _SIXTEEN_BIT,
     )
 
 
@@ -358,32 +383,38 @@ def _linear_result(x: Array, loss, lse, grads: dict, reduction: str, batch: tupl
     return result
 
 
-def _linear_outputs(x, w, b, opts, grad, grad_weight):
+def _linear_outputs(x, w, b, opts, grad, grad_weight, grad_weight_dtype):
     """The rows of hidden, and the loss, lse and gradient arrays a linear loss writes."""
     x_rows = x.rows()
     n = x_rows.shape[0]
     compute = _compute_dtype(x)
     loss = empty(x, (n,) if opts["reduction"] == "none" else (), compute)
     lse = empty(x, (n,), compute)
-    return x_rows, loss, lse, _linear_grads(x, w, b, n, bool(grad), bool(grad_weight))
+    grads = _linear_grads(x, w, b, n, bool(grad), bool(grad_weight),
+                          _grad_weight_dtype(grad_weight_dtype, x))
+    return x_rows, loss, lse, grads
 
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100,
                          reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                          temperature=1.0, normalizer=None, grad=False,
-                         grad_weight=True) -> LossResult:
+                         grad_weight=True, grad_weight_dtype=None) -> LossResult:
     """Cross-entropy of the logits hidden @ weight.T (+ bias), formed a chunk of tokens at a
     time and never held whole. hidden [..., H], weight [V, H] (nn.Linear layout), labels [...].
 
     grad=True also returns grad_hidden, grad_weight (skipped with grad_weight=False) and
-    grad_bias: gradients of the loss (of the sum of the per-token losses for "none")."""
+    grad_bias: gradients of the loss (of the sum of the per-token losses for "none").
+    grad_weight comes in hidden's dtype, or in grad_weight_dtype (float32 for a 16-bit head:
+    the fastest on CUDA, and unrounded). A 16-bit grad_weight is summed in float32 and rounded
+    once; on CUDA that holds (vocab - vocab // 2) x hidden float32 values beyond the workspace
+    budget during the call."""
     x, w, b = _linear_head(hidden, weight, bias)
     batch = x.shape[:-1]
     y = _batched(labels, "labels", batch, "hidden")
     opts = loss_options(reduction=reduction, ignore_index=ignore_index,
                         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                         temperature=temperature, normalizer=normalizer)
-    x_rows, loss, lse, grads = _linear_outputs(x, w, b, opts, grad, grad_weight)
+    x_rows, loss, lse, grads = _linear_outputs(x, w, b, opts, grad, grad_weight, grad_weight_dtype)
     invoke_loss("forward_backward" if grad else "forward", x.device, hidden=x_rows,
                 weight=w.rows(), bias=_bias_rows(b), labels=y.flat(),
                 loss=loss, lse=lse, **grads, **opts)
@@ -394,13 +425,14 @@ def linear_distill(hidden, weight, teacher_ids, teacher_probs, *, bias=None, lab
                    token_mask=None, ce_weight=0.0, kd_weight=1.0, ignore_index=-100,
                    label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
                    reduction="mean", normalizer=None, grad=False,
-                   grad_weight=True) -> LossResult:
+                   grad_weight=True, grad_weight_dtype=None) -> LossResult:
     """Top-k distillation through the head: per token, kd_weight * KL(teacher top-k || student)
     + ce_weight * cross-entropy against labels (+ z-loss), in one pass over the logits.
 
     teacher_ids [..., k] (int32/int64) and teacher_probs [..., k] (float32; float64 with float64
     inputs) hold the teacher's top-k; labels [...] and token_mask [...] (bool/uint8, False = not
-    counted) say which tokens count."""
+    counted) say which tokens count. grad, grad_weight and grad_weight_dtype: as in
+    linear_cross_entropy."""
     x, w, b = _linear_head(hidden, weight, bias)
     batch = x.shape[:-1]
     ids = _batched(teacher_ids, "teacher_ids", batch, "hidden", extra="k")
@@ -411,7 +443,7 @@ def linear_distill(hidden, weight, teacher_ids, teacher_probs, *, bias=None, lab
                         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                         temperature=temperature, normalizer=normalizer, ce_weight=ce_weight,
                         kd_weight=kd_weight)
-    x_rows, loss, lse, grads = _linear_outputs(x, w, b, opts, grad, grad_weight)
+    x_rows, loss, lse, grads = _linear_outputs(x, w, b, opts, grad, grad_weight, grad_weight_dtype)
     if probs.shape != ids.shape:
         raise ValueError(f"teacher_probs: expected shape {ids.shape} like teacher_ids, got {probs.shape}")
     invoke_loss("forward_backward" if grad else "forward", x.device, hidden=x_rows,

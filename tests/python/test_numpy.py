@@ -175,6 +175,24 @@ def test_linear_cross_entropy_without_grad_weight():
     check(r.loss, loss, "float64", "loss")
 
 
+def test_linear_cross_entropy_grad_weight_dtype():
+    """A float16 head's weight gradient in float16 (summed in float32, rounded once) or, asked
+    for, in float32; any other dtype is refused by name."""
+    rng = np.random.default_rng(9)
+    x, w, _ = make_linear(rng, N, H, V, "float32")
+    x, w = x.astype(np.float16), w.astype(np.float16)
+    y = make_labels(rng, N, V)
+    _, _, _, dw, _ = linear_reference(x.astype(np.float64), w.astype(np.float64), labels=y)
+    r16 = lmloss.linear_cross_entropy(x, w, y, grad=True)
+    r32 = lmloss.linear_cross_entropy(x, w, y, grad=True, grad_weight_dtype=np.float32)
+    assert r16.grad_weight.dtype == np.float16 and r32.grad_weight.dtype == np.float32
+    assert rel_err(r32.grad_weight, dw) <= 1e-5
+    np.testing.assert_array_equal(r16.grad_weight, r32.grad_weight.astype(np.float16))
+    with pytest.raises(TypeError, match="grad_weight"):
+        lmloss.linear_cross_entropy(x.astype(np.float32), w.astype(np.float32), y, grad=True,
+                                    grad_weight_dtype="float64")
+
+
 def test_linear_cross_entropy_small_workspace_budget():
     """A budget that holds only a few rows forces many chunks; the results do not change."""
     rng = np.random.default_rng(8)

@@ -136,6 +136,58 @@ def test_plain_api_on_torch_tensors_returns_torch_tensors():
     assert abs(mean.loss - lt.linear_cross_entropy(x, w, y, bias=b).item()) < 1e-5
 
 
+ARRAY_DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+@pytest.mark.parametrize("device", ARRAY_DEVICES)
+def test_plain_api_sums_a_bf16_weight_gradient_once(device):
+    """The plain API's bf16 grad_weight and grad_bias over many chunks of tokens are their float32
+    sums rounded once: no further from float64 than the float64 sums rounded to bf16 (rounded after
+    each of the 8 chunks, as CUDA's default does, they would be ~2-3x further), and grad_weight is
+    grad_weight_dtype=float32's result rounded, but for a rare element one ulp off (the two calls'
+    sums may differ in their last bits: the CPU's chunks are smaller where the float32 sum takes
+    workspace, and CUDA's products of the sum's two halves have shapes of their own)."""
+    n, h, v = 2048, 64, 1000
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, h, generator=g).bfloat16().to(device)
+    w = (torch.randn(v, h, generator=g) / h ** 0.5 * 2).bfloat16().to(device)
+    b = (torch.randn(v, generator=g) * 0.3).bfloat16().to(device)
+    y = torch.randint(0, v, (n,), generator=g).to(device)
+    before = lmloss.workspace_budget()
+    lmloss.set_workspace_budget(v * 4 * 256)  # logits chunks of ~256 rows: 8 of them
+    try:
+        r16 = lmloss.linear_cross_entropy(x, w, y, bias=b, grad=True)
+        r32 = lmloss.linear_cross_entropy(x, w, y, bias=b, grad=True, grad_weight_dtype=torch.float32)
+    finally:
+        lmloss.set_workspace_budget(before)
+    assert r16.grad_weight.dtype == torch.bfloat16 and r16.grad_bias.dtype == torch.bfloat16
+    assert r32.grad_weight.dtype == torch.float32 and r32.grad_bias.dtype == torch.bfloat16
+    xd, wd, bd = x.double(), w.double(), b.double()
+    p = torch.softmax(xd @ wd.T + bd, dim=-1)
+    p[torch.arange(n, device=device), y] -= 1.0
+    p /= n
+    ref_dw, ref_db = p.T @ xd, p.sum(0)
+    assert err(r32.grad_weight, ref_dw) <= 1e-3
+    for what, ours, ref in (("grad_weight", r16.grad_weight, ref_dw), ("grad_bias", r16.grad_bias, ref_db)):
+        e, once = err(ours, ref), err(ref.bfloat16(), ref)
+        assert e <= 1.25 * once, f"{what}: {e:.3g} against {once:.3g} for float64 rounded once"
+    ulps = (r16.grad_weight.view(torch.int16).int() - r32.grad_weight.bfloat16().view(torch.int16).int()).abs()
+    assert ulps.max().item() <= 1 and (ulps > 0).sum().item() <= ulps.numel() // 100
+
+
+def test_plain_api_grad_weight_dtype_errors():
+    x, w, b, y = linear_inputs(dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="grad_weight_dtype: expected one of"):
+        lmloss.linear_cross_entropy(x, w, y, grad=True, grad_weight_dtype="int32")
+    with pytest.raises(TypeError, match="grad_weight_dtype: expected a dtype"):
+        lmloss.linear_cross_entropy(x, w, y, grad=True, grad_weight_dtype=object())
+    with pytest.raises(TypeError, match="grad_weight"):  # the library's: bfloat16 or float32
+        lmloss.linear_cross_entropy(x, w, y, grad=True, grad_weight_dtype=torch.float16)
+    r = lmloss.linear_distill(x, w, torch.arange(2).expand(*y.shape, 2),
+                              torch.full((*y.shape, 2), 0.5), grad=True, grad_weight_dtype="float32")
+    assert r.grad_weight.dtype == torch.float32 and r.grad_hidden.dtype == torch.bfloat16
+
+
 def test_modules():
     x, w, b, y = linear_inputs()
     module = lt.LinearCrossEntropyLoss(reduction="sum", label_smoothing=0.1)
