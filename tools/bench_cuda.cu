@@ -560,7 +560,10 @@ class ModesBench {
   }
   void tune_products(bool on) { tune_ = on; }
   // dW's dtype in the loss modes and their floor (f32 unless asked: the parameter's dtype).
-  void set_dw_dtype(lmloss_dtype d) { dw_dtype_ = d; }
+  void set_dw_dtype(lmloss_dtype d, uint32_t flags) {
+    dw_dtype_ = d;
+    dw_flags_ = flags;
+  }
   // Host sleep before each timed run (floor and step alike), so that each starts on a card that
   // has rested (its clocks and temperature as after an idle gap) instead of one kept hot.
   void set_rest_ms(int ms) { rest_ms_ = ms; }
@@ -846,6 +849,7 @@ class ModesBench {
     const bool want_dw = mode == "fwd_bwd" || distill;
     const bool want_dx = want_dw || mode == "dx_only";
     lmloss_loss_options o = lmloss_loss_options_default();
+    o.flags |= dw_flags_;
     if (distill) {
       o.ce_weight = 0;
       o.kd_weight = 1;
@@ -919,6 +923,7 @@ class ModesBench {
   int rest_ms_ = 0;
   bool tune_ = false;  // lmloss_context_set_product_tuning on the library's contexts
   lmloss_dtype dw_dtype_ = LMLOSS_F32;
+  uint32_t dw_flags_ = 0;  // LMLOSS_SUM_GRAD_WEIGHT_IN_F32 for --dw-dtype input-once
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -971,13 +976,17 @@ int run(int argc, char** argv) {
   const lmloss_dtype dt = dtype == "f16" ? LMLOSS_F16 : dtype == "f32" ? LMLOSS_F32 : LMLOSS_BF16;
   ModesBench bench(n, h, v, dt, repeats);
   bench.tune_products(tune);
-  if (dw_dtype != "f32" && dw_dtype != "input") throw std::invalid_argument("--dw-dtype takes f32 or input");
-  bench.set_dw_dtype(dw_dtype == "input" ? dt : LMLOSS_F32);
+  if (dw_dtype != "f32" && dw_dtype != "input" && dw_dtype != "input-once")
+    throw std::invalid_argument("--dw-dtype takes f32, input or input-once");
+  bench.set_dw_dtype(dw_dtype == "f32" ? LMLOSS_F32 : dt, dw_dtype == "input-once" ? LMLOSS_SUM_GRAD_WEIGHT_IN_F32 : 0u);
   bench.set_rest_ms(rest_ms);
   if (clocks && !bench.sample_clocks()) std::fprintf(stderr, "# --clocks: NVML did not answer; no clocks\n");
+  const char* dw_note = dw_dtype == "input"        ? ", dW in the input dtype, rounded per chunk"
+                        : dw_dtype == "input-once" ? ", dW in the input dtype, summed in f32 and rounded once"
+                                                   : "";
   std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events%s%s%s\n",
               device_description().c_str(), p.name, (long long)n, (long long)h, (long long)v,
-              dtype.c_str(), repeats, tune ? ", products tuned" : "", dw_dtype == "input" ? ", dW in the input dtype" : "",
+              dtype.c_str(), repeats, tune ? ", products tuned" : "", dw_note,
               rest_ms > 0 ? (", " + std::to_string(rest_ms) + " ms of rest before each timed run").c_str() : "");
   std::fflush(stdout);
 
