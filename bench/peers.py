@@ -11,7 +11,8 @@ products of the same step (forward; + dX; + dW) timed right before the method, o
 method finds it (a card warmed by the methods before runs slower; timed once for all, the floor
 favoured the first methods). With --rounds R the methods run R times, in reverse order every
 other round, a row for each. With --accuracy the cross-entropy steps are also compared with a
-float64 reference of the same bf16 inputs (loss, dX, dW; relative error of the norm). With
+float64 reference of the same bf16 inputs (loss, dX, dW; relative error of the norm), and so are
+lmloss's dW in float32 and in bf16, rounded once and after each token chunk. With
 --profile each step's kernels are summed by name from one run under torch.profiler. Prints a
 table and writes JSON.
 
@@ -234,6 +235,23 @@ def float64_reference(x, w, y, rows=1024):
     return loss / n, dx, dw
 
 
+def bf16_weight_gradients(x, w, y):
+    """The array API's bf16 weight gradient (its float32 sum rounded once) and the C API's default
+    for one (rounded after each token chunk), the latter through the extension's own call."""
+    import lmloss
+    from lmloss import _api
+    once = lmloss.linear_cross_entropy(x, w, y, grad=True).grad_weight
+    per_chunk = torch.empty_like(w)
+    opts = _api.loss_options(reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                             softcap=None, temperature=1.0, normalizer=None)
+    device = x.device.index if x.device.type == "cuda" else -1
+    _api.invoke_loss("forward_backward", device, hidden=x, weight=w, labels=y,
+                     loss=torch.empty((), device=x.device), lse=torch.empty(x.shape[0], device=x.device),
+                     grad_hidden=torch.empty_like(x), grad_weight=per_chunk,
+                     sum_grad_weight_in_f32=False, **opts)
+    return once, per_chunk
+
+
 def relative_error(out, ref):
     return (out.float() - ref.float()).norm().item() / max(ref.float().norm().item(), 1e-30)
 
@@ -331,11 +349,15 @@ def main():
                     None, x, w, None, y, None, None, None, "mean", -100, 0.0, 1.0, 0.0, 0.0, 0.0,
                     0.0, 1.0, False, False, True, False)[4]
                 err = relative_error(dw32, ref64[2])
-                rows.append(dict(preset=preset, tokens=n, mode=mode, method="lmloss",
-                                 dw_f32_rel_err_f64=err))
-                print(f"{preset:10s} N {n:6d} {mode:9s} lmloss: float32-accumulated dW vs f64 "
-                      f"{err:.1e}", flush=True)
                 del dw32
+                once, per_chunk = bf16_weight_gradients(x, w, y)
+                errs = dict(dw_f32_rel_err_f64=err, dw_bf16_once_rel_err_f64=relative_error(once, ref64[2]),
+                            dw_bf16_per_chunk_rel_err_f64=relative_error(per_chunk, ref64[2]))
+                del once, per_chunk
+                rows.append(dict(preset=preset, tokens=n, mode=mode, method="lmloss", **errs))
+                print(f"{preset:10s} N {n:6d} {mode:9s} lmloss: dW vs f64 accumulated in float32 "
+                      f"{err:.1e}; bf16 rounded once {errs['dw_bf16_once_rel_err_f64']:.1e}, "
+                      f"rounded per chunk {errs['dw_bf16_per_chunk_rel_err_f64']:.1e}", flush=True)
             del ref64
         del x, w, y, ids, p
         torch.cuda.empty_cache()

@@ -146,7 +146,7 @@ if has_stage peers; then
     --modes fwd_bwd,forward,distill64,topk64,topk2048,dx_only \
     --repeats $REPEATS --rounds $PEER_ROUNDS --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
   if [ $QUICK = 0 ]; then
-    PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens 32768 --modes fwd_bwd \
+    PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens 32768 --modes fwd_bwd --accuracy \
       --methods naive,torch.compile,cce --repeats 5 --rounds $PEER_ROUNDS --json "$OUT/peers_32768.json" 2>&1 | tee "$OUT/peers_32768.log"
   fi
 fi
