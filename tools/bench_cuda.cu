@@ -840,6 +840,133 @@ class ModesBench {
         }
   }
 
+  // dW summed in f32 over chunks of `rows` tokens into two buffers of its own, rows [0, V/2) and
+  // [V/2, V), as an f32 sum kept over a 16-bit dW's own bytes and a second buffer would take it:
+  // as one product into a whole dW (the default's), as two products (one a part, as
+  // LMLOSS_SUM_GRAD_WEIGHT_IN_F32 runs them), and as one strided-batched product over both parts
+  // (the batch stride of D the distance between the buffers). Can the parts cost what the whole
+  // does? The last two's sums are compared.
+  void dw_parts_probe(int64_t rows) {
+    if (v_ % 2 != 0) {
+      std::printf("dw-parts  V %lld is odd: no two equal parts\n", (long long)v_);
+      return;
+    }
+    const int64_t half = v_ / 2;
+    const size_t es = type_size(dt_), part_bytes = size_t(half) * h_ * 4;
+    DeviceBuffer first(part_bytes), second(part_bytes);
+    // Rows [0, half) go to the buffer at the lower address, so that the batch strides are positive.
+    char* lo = static_cast<char*>(std::min(first.ptr, second.ptr));
+    char* hi = static_cast<char*>(std::max(first.ptr, second.ptr));
+    const int64_t d_stride = (hi - lo) / 4;
+    const char* x = static_cast<const char*>(x_.ptr);
+    const char* g = static_cast<const char*>(full_logits());
+    const size_t ws_bytes = size_t(32) << 20;
+    DeviceBuffer ws(ws_bytes);
+    cublasLtHandle_t handle = nullptr;
+    lt_check(cublasLtCreate(&handle), "cublasLtCreate");
+    // Column-major: dW_part^T (H, half) = X_chunk^T (H, m) G_chunk,part (m, half), where X's rows
+    // are (H, m) with ld H and G's rows (half of them wide) are (half, m) with ld V, transposed.
+    struct Plan {
+      cublasLtMatmulDesc_t desc = nullptr;
+      cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+      cublasLtMatmulAlgo_t algo{};
+      bool found = false;
+    };
+    std::map<std::pair<int64_t, int>, Plan> plans;  // (chunk rows, batch) -> plan
+    auto plan = [&](int64_t m, int batch) -> const Plan& {
+      Plan& p = plans[{m, batch}];
+      if (p.desc) return p;
+      lt_check(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+      const cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_T;
+      lt_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "transa");
+      lt_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "transb");
+      lt_check(cublasLtMatrixLayoutCreate(&p.a, cuda_type(dt_), h_, m, h_), "layout");
+      lt_check(cublasLtMatrixLayoutCreate(&p.b, cuda_type(dt_), half, m, v_), "layout");
+      lt_check(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_32F, h_, half, h_), "layout");
+      if (batch > 1) {
+        const int32_t count = batch;
+        const int64_t strides[3] = {0, half, d_stride};  // X shared; G's next columns; the other buffer
+        cublasLtMatrixLayout_t layouts[3] = {p.a, p.b, p.d};
+        for (int i = 0; i < 3; ++i) {
+          lt_check(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                                    sizeof(count)),
+                   "batch count");
+          lt_check(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                    &strides[i], sizeof(strides[i])),
+                   "batch stride");
+        }
+      }
+      cublasLtMatmulPreference_t pref;
+      lt_check(cublasLtMatmulPreferenceCreate(&pref), "pref");
+      const uint64_t max_ws = ws_bytes;
+      lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws,
+                                                    sizeof(max_ws)),
+               "pref ws");
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      if (cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found) ==
+              CUBLAS_STATUS_SUCCESS &&
+          found > 0) {
+        p.algo = result.algo;
+        p.found = true;
+      }
+      cublasLtMatmulPreferenceDestroy(pref);
+      return p;
+    };
+    bool ran = true;
+    auto product = [&](int64_t r0, int64_t m, int batch, int64_t col0, char* d) {
+      const Plan& p = plan(m, batch);
+      const float alpha = 1.f, beta = r0 > 0 ? 1.f : 0.f;
+      ran = ran && p.found &&
+            cublasLtMatmul(handle, p.desc, &alpha, x + r0 * h_ * es, p.a, g + (r0 * v_ + col0) * es, p.b, &beta, d,
+                           p.d, d, p.d, &p.algo, ws.ptr, ws_bytes, stream_) == CUBLAS_STATUS_SUCCESS;
+    };
+    auto each_chunk = [&](auto&& f) {
+      for (int64_t r0 = 0; r0 < n_; r0 += rows) f(r0, std::min(rows, n_ - r0));
+    };
+    const double whole = time([&] {
+      each_chunk([&](int64_t r0, int64_t m) {
+        products_.run(v_, h_, m, true, false, g + r0 * v_ * es, x + r0 * h_ * es, dw_.ptr, dt_, LMLOSS_F32, stream_,
+                      r0 > 0 ? 1.f : 0.f);
+      });
+    });
+    auto sums = [&] {
+      cuda_check(cudaStreamSynchronize(stream_), "sync");
+      std::vector<float> out(size_t(v_) * h_);
+      cuda_check(cudaMemcpy(out.data(), lo, part_bytes, cudaMemcpyDeviceToHost), "copy");
+      cuda_check(cudaMemcpy(out.data() + size_t(half) * h_, hi, part_bytes, cudaMemcpyDeviceToHost), "copy");
+      return out;
+    };
+    const double two = time([&] {
+      each_chunk([&](int64_t r0, int64_t m) {
+        product(r0, m, 1, 0, lo);
+        product(r0, m, 1, half, hi);
+      });
+    });
+    const std::vector<float> two_sums = sums();
+    const bool two_ran = ran;
+    ran = true;
+    const double batched = time([&] { each_chunk([&](int64_t r0, int64_t m) { product(r0, m, 2, 0, lo); }); });
+    const std::vector<float> batched_sums = sums();
+    double diff = 0, scale = 0;
+    for (size_t i = 0; i < two_sums.size(); ++i) {
+      diff = std::max(diff, double(std::fabs(two_sums[i] - batched_sums[i])));
+      scale = std::max(scale, double(std::fabs(two_sums[i])));
+    }
+    std::printf("dw-parts  chunk %5lld rows  whole %8.3f ms  two products %8.3f ms%s  one batched %8.3f ms%s"
+                "  (batched against two: max difference %.2e of the largest)\n",
+                (long long)rows, whole, two, two_ran ? "" : " (did not run)", batched, ran ? "" : " (did not run)",
+                scale > 0 ? diff / scale : 0.0);
+    std::fflush(stdout);
+    for (auto& [key, p] : plans) {
+      cublasLtMatrixLayoutDestroy(p.a);
+      cublasLtMatrixLayoutDestroy(p.b);
+      cublasLtMatrixLayoutDestroy(p.d);
+      cublasLtMatmulDescDestroy(p.desc);
+    }
+    cublasLtDestroy(handle);
+  }
+
   Row loss_mode(const std::string& mode, size_t budget, int floor_count) {
     Ctx ctx;
     ctx.set_stream(stream_);
@@ -942,7 +1069,7 @@ std::vector<std::string> split(const std::string& s) {
 int run(int argc, char** argv) {
   std::string preset = "llama3-8b", modes = "fwd_bwd,dx_only,forward,topk64,topk2048,distill64", budgets = "",
               json_path = "", dtype = "bf16", chunks = "", survey = "",
-              survey_only = "", splitk = "", dw_dtype = "f32";
+              survey_only = "", splitk = "", dw_parts = "", dw_dtype = "f32";
   int64_t tokens = 0, hidden = 0, vocab = 0;  // 0: the preset's
   int repeats = 10, rest_ms = 0;
   double mode_budget_gib = 0;  // the modes' workspace budget; 0: the library's default
@@ -964,6 +1091,7 @@ int run(int argc, char** argv) {
     else if (key == "--survey-only") survey_only = value;
     else if (key == "--tune") tune = value != "0";
     else if (key == "--splitk-rows") splitk = value;
+    else if (key == "--dw-parts-rows") dw_parts = value;
     else if (key == "--dw-dtype") dw_dtype = value;
     else if (key == "--budget-gib") mode_budget_gib = std::stod(value);
     else if (key == "--rest-ms") rest_ms = std::stoi(value);
@@ -1000,6 +1128,7 @@ int run(int argc, char** argv) {
   for (const std::string& c : split(chunks)) bench.chunked_products(std::stoll(c));
   for (const std::string& r : split(survey)) bench.survey_algorithms(std::stoll(r), survey_only);
   for (const std::string& r : split(splitk)) bench.splitk_probe(std::stoll(r));
+  for (const std::string& r : split(dw_parts)) bench.dw_parts_probe(std::stoll(r));
   auto report = [&](Row r) {
     if (!with_floor) r.floor_ms = 1.0;
     rows.push_back(r);
