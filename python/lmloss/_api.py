@@ -406,8 +406,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     grad_bias: gradients of the loss (of the sum of the per-token losses for "none").
     grad_weight comes in hidden's dtype, or in grad_weight_dtype (float32 for a 16-bit head:
     the fastest on CUDA, and unrounded). A 16-bit grad_weight is summed in float32 and rounded
-    once; on CUDA that holds (vocab - vocab // 2) x hidden float32 values beyond the workspace
-    budget during the call."""
+    once; on CUDA that holds about vocab / 2 x hidden float32 values beyond the workspace budget
+    during the call."""
     x, w, b = _linear_head(hidden, weight, bias)
     batch = x.shape[:-1]
     y = _batched(labels, "labels", batch, "hidden")
