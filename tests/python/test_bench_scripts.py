@@ -1,0 +1,39 @@
+"""The scripts in bench/ that run without a GPU: the bf16 rounding emulation behind the figures in
+docs/contract.md, checked on a small problem; the GPU scripts parsed, so that a syntax error shows
+here rather than on a borrowed GPU."""
+
+import ast
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import dw_rounding  # noqa: E402
+
+
+def test_bf16_rounds_to_nearest_even():
+    one = np.float32(1.0)
+    ulp = np.float32(2.0 ** -7)
+    values = np.array([one + ulp / 2, one + 3 * ulp / 2, one + ulp / 4, -(one + 3 * ulp / 4)], np.float32)
+    np.testing.assert_array_equal(dw_rounding.bf16(values),
+                                  np.array([one, one + 2 * ulp, one, -(one + ulp)], np.float32))
+
+
+def test_emulation_orders_the_roundings():
+    """Rounded once is as far from float64 as naive bf16; rounded after each of 8 chunks, further;
+    the unrounded sum (its only error the products' bf16 inputs) well closer than either."""
+    e = dw_rounding.emulate(2048, 1000, 16, 256)
+    assert e["chunks"] == 8
+    assert abs(e["once"] - e["naive"]) <= 0.1 * e["naive"]
+    assert e["per_chunk"] >= 1.5 * e["once"]
+    assert e["per_chunk_x2"] >= e["per_chunk"] * 0.95
+    assert e["f32_sum"] <= 0.25 * e["once"]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+def test_bench_script_parses(script):
+    ast.parse((BENCH / script).read_text(), filename=script)
