@@ -7,6 +7,9 @@
 #   scripts/gpu_check.sh [--build DIR] [--stages tests,sanitizer,bench,curve,peers] [--quick]
 #                        [--peer-rounds R]
 #
+# --stages may also name dw (not run by default): a 16-bit dW timed three ways, its products in two
+# parts against one batched product, and lmloss's dW errors against float64.
+#
 # The build folder (default build-cuda) is used as it is when it holds the binaries (a build made
 # on another machine: scripts/gpu_build.sh --pack), else configured and built here. Python peers
 # come from wheels in .whl/ (and lmloss from dist/) when present, installed to a private folder,
@@ -59,6 +62,18 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_6
 done
 export LMLOSS_LD="$ROOT/$BUILD/src:$ROOT/$BUILD/extra-lib$CUDA_LIBS"
 run() { LD_LIBRARY_PATH="$LMLOSS_LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$@"; }
+
+# The peers' wheels, and lmloss's own (scripts/gpu_build.sh --wheel) so that it is timed too,
+# installed once to a private folder.
+install_wheels() {
+  [[ "${PYTHONPATH:-}" == */tmp/peers-site* ]] && return
+  local wheels
+  wheels=$(ls .whl/*.whl dist/lmloss-*.whl 2> /dev/null)
+  if [ -n "$wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peers-site \
+      $wheels > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+}
 
 FAILED=0
 if has_stage tests; then
@@ -127,6 +142,29 @@ if has_stage bench; then
   tail -12 "$OUT/lmloss_bench.log"
 fi
 
+# Not in the default stages: a 16-bit dW three ways (f32, rounded per chunk, summed in f32 and
+# rounded once) in alternating rounds, its two-part product against one batched product, and
+# lmloss's dW errors against float64 (bench/dw_rounding.py's emulation, checked).
+if has_stage dw; then
+  echo "== dW: its dtype and rounding, its products in two parts, its error"
+  for round in 1 2; do
+    for dw in f32 input input-once; do
+      run "$BUILD/tools/bench_cuda_modes" --preset llama3-8b --modes fwd_bwd --repeats 5 --dw-dtype $dw 2>&1 |
+        sed "s/^fwd_bwd /dw $dw round $round: /" | tee -a "$OUT/modes_dw.log"
+    done
+  done
+  for spec in "8192 2816" "32768 3328"; do
+    set -- $spec
+    run "$BUILD/tools/bench_cuda_modes" --preset llama3-8b --tokens "$1" --modes "" --floor 0 --repeats 5 \
+      --dw-parts-rows "$2" 2>&1 | tee -a "$OUT/dw_parts.log"
+  done
+  install_wheels
+  for tokens in 8192 32768; do
+    PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens $tokens --modes fwd_bwd --methods lmloss \
+      --accuracy --repeats 3 2>&1 | tee -a "$OUT/dw_accuracy.log"
+  done
+fi
+
 if has_stage curve; then
   echo "== bench: time against the workspace budget (llama3-8b, N 8192)"
   run "$BUILD/tools/bench_cuda_modes" --preset llama3-8b --modes fwd_bwd --budgets-gib 0.125,0.25,0.5,1,2,4 \
@@ -135,12 +173,7 @@ fi
 
 if has_stage peers; then
   echo "== peers"
-  # The peers' wheels, and lmloss's own (scripts/gpu_build.sh --wheel) so that it is timed too.
-  wheels=$(ls .whl/*.whl dist/lmloss-*.whl 2> /dev/null)
-  if [ -n "$wheels" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peers-site \
-      $wheels > "$OUT/pip.log" 2>&1 && export PYTHONPATH=/tmp/peers-site${PYTHONPATH:+:$PYTHONPATH}
-  fi
+  install_wheels
   presets=llama3-8b,gemma2-2b
   PYTHONUNBUFFERED=1 python3 bench/peers.py --presets $presets --accuracy \
     --modes fwd_bwd,forward,distill64,topk64,topk2048,dx_only \
@@ -165,4 +198,6 @@ echo "== summary"
 cat "$SUMMARY"
 for f in "$OUT"/modes_*.log "$OUT"/curve.log; do [ -f "$f" ] && grep -E 'x[0-9]' "$f"; done
 [ -f "$OUT/peers.log" ] && grep -E 'x[0-9]' "$OUT/peers.log"
+[ -f "$OUT/dw_parts.log" ] && grep '^dw-parts' "$OUT/dw_parts.log"
+[ -f "$OUT/dw_accuracy.log" ] && grep 'vs f64' "$OUT/dw_accuracy.log"
 exit $FAILED
