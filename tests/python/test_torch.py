@@ -142,11 +142,12 @@ ARRAY_DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 @pytest.mark.parametrize("device", ARRAY_DEVICES)
 def test_plain_api_sums_a_bf16_weight_gradient_once(device):
     """The plain API's bf16 grad_weight and grad_bias over many chunks of tokens are their float32
-    sums rounded once: no further from float64 than the float64 sums rounded to bf16 (rounded after
-    each of the 8 chunks, as CUDA's default does, they would be ~2-3x further), and grad_weight is
-    grad_weight_dtype=float32's result rounded, but for a rare element one ulp off (the two calls'
-    sums may differ in their last bits: the CPU's chunks are smaller where the float32 sum takes
-    workspace, and CUDA's products of the sum's two halves have shapes of their own)."""
+    sums rounded once: no further from float64 than the float64 sums rounded to bf16 (rounded
+    after each of 8 chunks of 256 rows, as CUDA's default does, they would be 2.1x further), and
+    grad_weight is grad_weight_dtype=float32's result rounded, but for a rare element one ulp off
+    (the two calls' sums may differ in their last bits: the CPU's chunks are smaller where the
+    float32 sum takes workspace, and CUDA's products of the sum's two halves have shapes of their
+    own)."""
     n, h, v = 2048, 64, 1000
     g = torch.Generator().manual_seed(3)
     x = torch.randn(n, h, generator=g).bfloat16().to(device)
@@ -154,7 +155,7 @@ def test_plain_api_sums_a_bf16_weight_gradient_once(device):
     b = (torch.randn(v, generator=g) * 0.3).bfloat16().to(device)
     y = torch.randint(0, v, (n,), generator=g).to(device)
     before = lmloss.workspace_budget()
-    lmloss.set_workspace_budget(v * 4 * 256)  # logits chunks of ~256 rows: 8 of them
+    lmloss.set_workspace_budget(v * 4 * 256)  # f32 logits chunks of at most 256 rows: 8 or more
     try:
         r16 = lmloss.linear_cross_entropy(x, w, y, bias=b, grad=True)
         r32 = lmloss.linear_cross_entropy(x, w, y, bias=b, grad=True, grad_weight_dtype=torch.float32)
