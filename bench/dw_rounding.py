@@ -11,6 +11,9 @@ the products take them, products summed exactly. Rows:
   per chunk       the bf16 dW read, the chunk's product added, rounded: once a chunk
   per chunk x2    as per chunk, the one-hot term added and rounded apart (the exponential form)
 Each element's error depends on its own sum, not on H, so a small H stands for a model's.
+With --library (needs lmloss and PyTorch) the same data also goes through the CPU library once a
+chunk, adding into a bf16 dW (LMLOSS_ACCUMULATE_GRAD_WEIGHT; each call rounds its f32 sum once):
+the library's own arithmetic, rounded per chunk as CUDA does within one call.
 """
 
 import argparse
@@ -30,11 +33,15 @@ def relative_error(out, ref):
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-def emulate(n, v, h, chunk_rows, seed=0):
+def make_inputs(n, v, h, seed=0):
     rng = np.random.default_rng(seed)
     x = bf16(rng.standard_normal((n, h), dtype=np.float32))
     w = bf16(rng.standard_normal((v, h), dtype=np.float32) * np.float32(2.0 / np.sqrt(h)))
-    y = rng.integers(0, v, n)
+    return x, w, rng.integers(0, v, n)
+
+
+def emulate(n, v, h, chunk_rows, seed=0):
+    x, w, y = make_inputs(n, v, h, seed)
     exact = np.zeros((v, h))       # float64 sum of the exact G
     summed = np.zeros((v, h))      # the products' sums, not rounded
     naive = np.zeros((v, h))
@@ -58,9 +65,26 @@ def emulate(n, v, h, chunk_rows, seed=0):
         p[np.arange(len(yc)), yc] -= 1.0
         p /= n
         naive += bf16(p).T.astype(np.float64) @ x64
-    return dict(chunks=-(-n // chunk_rows), naive=relative_error(bf16(naive), exact),
+    return dict(exact=exact, chunks=-(-n // chunk_rows), naive=relative_error(bf16(naive), exact),
                 once=relative_error(bf16(summed), exact), per_chunk=relative_error(per_chunk, exact),
                 per_chunk_x2=relative_error(per_chunk_x2, exact), f32_sum=relative_error(summed, exact))
+
+
+def library_per_chunk(n, v, h, chunk_rows, seed=0):
+    """The CPU library's bf16 dW over the same data, one call a chunk adding into it."""
+    import torch
+    from lmloss import _api
+    x, w, y = (torch.from_numpy(a) for a in make_inputs(n, v, h, seed))
+    x, w = x.bfloat16(), w.bfloat16()
+    opts = _api.loss_options(reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                             softcap=None, temperature=1.0, normalizer=float(n))
+    dw = torch.zeros(v, h, dtype=torch.bfloat16)
+    for r0 in range(0, n, chunk_rows):
+        xc = x[r0:r0 + chunk_rows]
+        _api.invoke_loss("forward_backward", -1, hidden=xc, weight=w, labels=y[r0:r0 + chunk_rows],
+                         loss=torch.empty(()), lse=torch.empty(xc.shape[0]), grad_hidden=torch.empty_like(xc),
+                         grad_weight=dw, accumulate_grad_weight=r0 > 0, **opts)
+    return dw.float().numpy()
 
 
 def main():
@@ -69,6 +93,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--chunk-rows", default="2816", help="comma list: one emulation each")
+    ap.add_argument("--library", action="store_true", help="also the CPU library, called once a chunk")
     args = ap.parse_args()
     print("# relative error of dW against float64 (norm of the difference / norm)")
     for rows in map(int, args.chunk_rows.split(",")):
@@ -78,6 +103,11 @@ def main():
               f"naive bf16 {e['naive']:.2e}  rounded once {e['once']:.2e}  per chunk {e['per_chunk']:.2e}  "
               f"per chunk x2 {e['per_chunk_x2']:.2e}  (unrounded {e['f32_sum']:.1e}; {time.time() - t0:.0f} s)",
               flush=True)
+        if args.library:
+            t0 = time.time()
+            dw = library_per_chunk(args.tokens, args.vocab, args.hidden, rows)
+            print(f"  the CPU library, a call a chunk into a bf16 dW: {relative_error(dw, e['exact']):.2e}"
+                  f" ({time.time() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":
