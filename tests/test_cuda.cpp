@@ -389,9 +389,8 @@ TEST_F(Cuda, FusedStepOfAChunkTallerThanOneProductLaunchMatchesReference) {
 // With LMLOSS_SUM_GRAD_WEIGHT_IN_F32 a bf16/f16 dW is summed in f32 over the chunks and rounded
 // once: the same call with an f32 dW, rounded here, gives the same values but for the rare
 // element whose two f32 sums (the products split differently) straddle a rounding boundary, and
-// never one more than an ulp apart. Rounded
-// after each chunk and after the exponential form's label term instead, far more elements differ
-// (the test's limit is 1%). Several chunks of the statistics product's path (bf16 in the
+// never one more than an ulp apart. Rounded after each chunk and after the exponential form's
+// label term instead, far more elements differ (the test's limit is 1%). Several chunks of the statistics product's path (bf16 in the
 // exponential form, f16 through its gradient pass) and of cuBLASLt's (soft-capping); one token;
 // added into an earlier dW; and all of dW in the workspace's tail: padded rows (the bytes between
 // them are not the library's to use) and a vocabulary too narrow for rows in place.
