@@ -1,5 +1,6 @@
 // Bad input, one test per validation rule: the status, a message that starts with the
 // argument's name as the header spells it, and every output byte still as it was poisoned.
+#include <cstddef>
 #include <functional>
 #include <string>
 
@@ -412,6 +413,135 @@ TEST_P(Validation, CudaTensorsWithoutCuda) {
   EXPECT_EQ(got, LMLOSS_ERROR_UNSUPPORTED) << lmloss_last_error();
   EXPECT_STRNE(lmloss_last_error(), "");
   for (const Buffer* b : c.outputs()) EXPECT_TRUE(untouched(*b));
+}
+
+// A kept f32 sum of a 16-bit grad_weight (options.grad_weight_sum_tail): every layout rule, and
+// the tail's own outputs untouched with the call's.
+TEST_P(Validation, KeptWeightSumTail) {
+  Generator gen(405);
+  const int64_t vocab = 37, hidden = 8, least = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(int64_t(37));  // 21: 16 rows in place
+  auto bf16_case = [&](int64_t row_padding = 0) {
+    LossSetup s;
+    s.device = device();
+    s.dtype = LMLOSS_BF16;
+    s.grad_dtype = LMLOSS_BF16;
+    s.row_padding = row_padding;
+    return LossCase(gen.problem({.n_tokens = 6, .vocab = vocab, .hidden = hidden, .bias = true}),
+                    lmloss_loss_options_default(), s);
+  };
+  auto expect_tail_rejected = [&](LossCase& c, Buffer& tail, const std::string& argument,
+                                  const std::function<void(LossArgs&)>& edit) {
+    tail.poison();
+    tail.upload();
+    LossArgs a = args_of(c);
+    a.options.grad_weight_sum_tail = tail.tensor();
+    edit(a);
+    expect_loss_rejected(c, a, argument);
+    tail.download();
+    EXPECT_TRUE(untouched(tail));
+  };
+  auto no_edit = [](LossArgs&) {};
+  {  // too few rows: more than half the vocabulary in grad_weight's bytes
+    LossCase c = bf16_case();
+    Buffer tail(device(), LMLOSS_F32, 2, vocab / 2, hidden);
+    expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", no_edit);
+  }
+  {  // more rows than the vocabulary
+    LossCase c = bf16_case();
+    Buffer tail(device(), LMLOSS_F32, 2, vocab + 1, hidden);
+    expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", no_edit);
+  }
+  {  // rows in place not a multiple of 8
+    LossCase c = bf16_case();
+    Buffer tail(device(), LMLOSS_F32, 2, least + 1, hidden);
+    expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", no_edit);
+  }
+  {  // another width
+    LossCase c = bf16_case();
+    Buffer tail(device(), LMLOSS_F32, 2, least, hidden + 1);
+    expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", no_edit);
+  }
+  {  // not f32
+    LossCase c = bf16_case();
+    Buffer tail(device(), LMLOSS_BF16, 2, least, hidden);
+    expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", no_edit);
+  }
+  {  // rows in place in a padded grad_weight (a tail of every row would be fine)
+    LossCase c = bf16_case(2);
+    Buffer tail(device(), LMLOSS_F32, 2, least, hidden);
+    expect_tail_rejected(c, tail, "grads.grad_weight", no_edit);
+  }
+  {  // an f32 grad_weight is the sum itself
+    LossCase c = linear_case();
+    Buffer tail(device(), LMLOSS_F32, 2, least, hidden);
+    expect_tail_rejected(c, tail, "grads.grad_weight", no_edit);
+  }
+  {  // over grad_weight's own bytes
+    LossCase c = bf16_case();
+    Buffer tail(device(), LMLOSS_F32, 2, least, hidden);
+    expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", [&](LossArgs& a) {
+      a.options.grad_weight_sum_tail.data = static_cast<char*>(a.grads.grad_weight.data) + 64;
+    });
+  }
+  {  // without the grad_weight it belongs to
+    LossCase c = bf16_case();
+    Buffer tail(device(), LMLOSS_F32, 2, least, hidden);
+    expect_tail_rejected(c, tail, "options.grad_weight_sum_tail",
+                         [](LossArgs& a) { a.grads.grad_weight = lmloss_tensor_none(); });
+  }
+}
+
+// Options of 0.1's size, before grad_weight_sum_tail, are read without it: the field's bytes
+// (here a pointer to nowhere) are the caller's, not the library's to read.
+TEST_P(Validation, OptionsOfTheEarlierSizeHaveNoTail) {
+  LossCase c = linear_case();
+  LossArgs a = args_of(c);
+  a.options.struct_size = uint32_t(offsetof(lmloss_loss_options, grad_weight_sum_tail));
+  a.options.grad_weight_sum_tail = lmloss_tensor_2d(reinterpret_cast<void*>(uintptr_t(8)), LMLOSS_F32, 1, 1, 0);
+  const lmloss_status got = c.invoke(ctx.get(), [&] { return call(ctx.get(), Mode::forward_backward, a); });
+  EXPECT_EQ(got, LMLOSS_SUCCESS) << lmloss_last_error();
+  expect_matches_reference(c, Mode::forward_backward);
+}
+
+TEST_P(Validation, RoundGradWeightArguments) {
+  const int64_t vocab = 37, hidden = 8, least = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(int64_t(37));
+  Buffer grad(device(), LMLOSS_BF16, 2, vocab, hidden);
+  Buffer tail(device(), LMLOSS_F32, 2, least, hidden);
+  Buffer scale = Buffer::of_values(device(), LMLOSS_F32, {0.5}, 0, 1);
+  Buffer bf16_scale = Buffer::of_values(device(), LMLOSS_BF16, {0.5}, 0, 1);
+  Buffer f32_grad(device(), LMLOSS_F32, 2, vocab, hidden);
+  auto expect_round_rejected = [&](const std::string& argument, const std::function<lmloss_status()>& run) {
+    for (Buffer* b : {&grad, &tail, &f32_grad}) {
+      b->poison();
+      b->upload();
+    }
+    scale.upload();
+    bf16_scale.upload();
+    EXPECT_EQ(run(), LMLOSS_ERROR_INVALID_ARGUMENT) << lmloss_last_error();
+    const std::string message = lmloss_last_error();
+    EXPECT_EQ(message.rfind(argument, 0), 0u) << "the message should start with \"" << argument << "\": " << message;
+    for (Buffer* b : {&grad, &tail, &f32_grad}) {
+      b->download();
+      EXPECT_TRUE(untouched(*b));
+    }
+  };
+  const lmloss_tensor g = grad.tensor(), t = tail.tensor(), s = scale.tensor();
+  expect_round_rejected("grad_weight", [&] { return lmloss_round_grad_weight(ctx.get(), nullptr, &t, &s); });
+  expect_round_rejected("tail", [&] { return lmloss_round_grad_weight(ctx.get(), &g, nullptr, &s); });
+  expect_round_rejected("grad_weight", [&] {
+    const lmloss_tensor f = f32_grad.tensor();
+    return lmloss_round_grad_weight(ctx.get(), &f, &t, &s);
+  });
+  expect_round_rejected("tail", [&] {
+    lmloss_tensor narrow = t;
+    narrow.shape[0] = least - 8;
+    return lmloss_round_grad_weight(ctx.get(), &g, &narrow, &s);
+  });
+  expect_round_rejected("scale", [&] {
+    const lmloss_tensor b = bf16_scale.tensor();
+    return lmloss_round_grad_weight(ctx.get(), &g, &t, &b);
+  });
+  EXPECT_EQ(lmloss_round_grad_weight(nullptr, &g, &t, &s), LMLOSS_ERROR_INVALID_ARGUMENT);
 }
 
 TEST_P(Validation, SuccessClearsTheLastError) {

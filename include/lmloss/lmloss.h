@@ -36,7 +36,7 @@ extern "C" {
 #endif
 
 #define LMLOSS_VERSION_MAJOR 0
-#define LMLOSS_VERSION_MINOR 1
+#define LMLOSS_VERSION_MINOR 2
 #define LMLOSS_VERSION_PATCH 0
 
 /* ---- Status -------------------------------------------------------------------------------- */
@@ -182,6 +182,17 @@ typedef enum lmloss_reduction {
  * bytes of workspace taken for the call beyond the budget. The CPU always sums so. */
 #define LMLOSS_SUM_GRAD_WEIGHT_IN_F32 4u
 
+/* A 16-bit grad_weight's f32 sum can also be kept unrounded across calls that add to it (micro-
+ * batches, with LMLOSS_ACCUMULATE_GRAD_WEIGHT after the first) and rounded once by
+ * lmloss_round_grad_weight, with the upstream gradient as its scale: give the call
+ * options.grad_weight_sum_tail, an f32 (tail_rows, hidden) tensor of the caller's. The sum's rows
+ * [0, split), split = vocab - tail_rows, are then held in grad_weight's own bytes (row r at byte
+ * offset 4 r hidden; split <= vocab / 2 and a multiple of 8, and, when split > 0, grad_weight's rows
+ * dense and 16-byte aligned), the rest in the tail. The whole sum costs 4 bytes a weight, half of
+ * them the gradient's own, where an f32 copy beside a 16-bit gradient costs 6. This is the
+ * smallest tail; with tail_rows = vocab, grad_weight's bytes are not used until the rounding. */
+#define LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab) ((vocab) - (vocab) / 16 * 8)
+
 typedef struct lmloss_loss_options {
   uint32_t struct_size;        /* sizeof(lmloss_loss_options), set by the initializer */
   lmloss_reduction reduction;
@@ -194,11 +205,16 @@ typedef struct lmloss_loss_options {
   double softcap;              /* c > 0 caps the logits; 0: off */
   double temperature;          /* T > 0; default 1 */
   uint32_t flags;              /* LMLOSS_ACCUMULATE_* */
+  /* Since 0.2 (a caller built against 0.1 passes the smaller struct_size and gets none). An
+   * output, here as lmloss_grads has no size field to grow by: the f32 tail of a 16-bit
+   * grad_weight's kept sum (see LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS); absent (data NULL) by default.
+   * Read when grads.grad_weight is written, ignored otherwise. */
+  lmloss_tensor grad_weight_sum_tail;
 } lmloss_loss_options;
 
 #define LMLOSS_LOSS_OPTIONS_INIT                                                              \
   { (uint32_t)sizeof(lmloss_loss_options), LMLOSS_REDUCTION_MEAN, -100, 0.0, 1.0, 0.0, 0.0, \
-    0.0, 0.0, 1.0, 0u }
+    0.0, 0.0, 1.0, 0u, {NULL, LMLOSS_F32, 0, {0, 0}, 0, LMLOSS_DEVICE_CPU, 0} }
 
 static inline lmloss_loss_options lmloss_loss_options_default(void) {
   lmloss_loss_options o = LMLOSS_LOSS_OPTIONS_INIT;
@@ -292,6 +308,17 @@ LMLOSS_API lmloss_status lmloss_topk(lmloss_context* context, const lmloss_head*
  * f64 for an f64 grad) on grad's device, or NULL for 1. On the context's stream; nothing waits. */
 LMLOSS_API lmloss_status lmloss_scale_gradient(lmloss_context* context, const lmloss_tensor* grad,
                                                const lmloss_tensor* scale, const lmloss_tensor* out);
+
+/* grad_weight = round(sum * scale): the f32 sum a call kept in grad_weight's own bytes and in
+ * `tail` (options.grad_weight_sum_tail), rounded once into grad_weight's bf16/f16, in place; the
+ * tail is only read. grad_weight and tail as the call that kept the sum had them; scale: one f32
+ * element on their device, or NULL for 1. Afterwards grad_weight holds the gradient and no sum:
+ * a later call starts a new one (without LMLOSS_ACCUMULATE_GRAD_WEIGHT). On the context's stream;
+ * nothing waits. */
+LMLOSS_API lmloss_status lmloss_round_grad_weight(lmloss_context* context,
+                                                  const lmloss_tensor* grad_weight,
+                                                  const lmloss_tensor* tail,
+                                                  const lmloss_tensor* scale);
 
 #ifdef __cplusplus
 } /* extern "C" */

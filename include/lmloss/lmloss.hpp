@@ -179,6 +179,11 @@ inline void scale_gradient(Context& ctx, Tensor grad, Tensor scale, Tensor out) 
   check(lmloss_scale_gradient(ctx.get(), &grad, scale.data ? &scale : nullptr, &out));
 }
 
+// A 16-bit grad_weight's kept f32 sum (options.grad_weight_sum_tail) rounded once into it.
+inline void round_grad_weight(Context& ctx, Tensor grad_weight, Tensor tail, Tensor scale = {}) {
+  check(lmloss_round_grad_weight(ctx.get(), &grad_weight, &tail, scale.data ? &scale : nullptr));
+}
+
 inline lmloss_head logits_head(Tensor logits) {
   return {logits, Tensor{}, Tensor{}, Tensor{}};
 }

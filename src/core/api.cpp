@@ -229,4 +229,17 @@ lmloss_status lmloss_scale_gradient(lmloss_context* context, const lmloss_tensor
   });
 }
 
+lmloss_status lmloss_round_grad_weight(lmloss_context* context, const lmloss_tensor* grad_weight,
+                                       const lmloss_tensor* tail, const lmloss_tensor* scale) {
+  return guarded([&] {
+    if (!context) return fail(LMLOSS_ERROR_INVALID_ARGUMENT, "context: is NULL");
+    WeightSumCall call;
+    LMLOSS_CHECK(validate_round(grad_weight, tail, scale, call));
+    Backend* backend = nullptr;
+    LMLOSS_CHECK(choose_backend(call.device_type, backend));
+    LMLOSS_CHECK(backend->run(*context, call));
+    return succeed();
+  });
+}
+
 }  // extern "C"

@@ -30,6 +30,8 @@ struct LossCall {
   int64_t top_k = 0;   // 0 without a teacher
   bool linear = false;         // logits formed from hidden and weight
   bool in_place = false;       // grads.grad_logits is the logits buffer
+  // With options.grad_weight_sum_tail: dW's f32 sum kept, rows [0, split) in grad_weight's bytes.
+  int64_t weight_sum_split = 0;
   lmloss_dtype input_dtype = LMLOSS_F32;    // of logits or hidden/weight
   lmloss_dtype compute_dtype = LMLOSS_F32;  // F64 for F64 inputs, else F32
   lmloss_device_type device_type = LMLOSS_DEVICE_CPU;
@@ -72,6 +74,20 @@ struct ScaleCall {
   int32_t device_index = 0;
 };
 
+// A validated lmloss_round_grad_weight: a 16-bit grad_weight = round(sum * scale), the f32 sum's
+// rows [0, split) in grad_weight's own bytes (row r at byte 4 r hidden), the rest in `tail`.
+struct WeightSumCall {
+  lmloss_tensor grad_weight{};  // (vocab, hidden) bf16 or f16
+  lmloss_tensor tail{};         // (vocab - split, hidden) f32
+  lmloss_tensor scale{};        // one f32, optional (1)
+
+  int64_t vocab = 0;
+  int64_t hidden = 0;
+  int64_t split = 0;
+  lmloss_device_type device_type = LMLOSS_DEVICE_CPU;
+  int32_t device_index = 0;
+};
+
 // Per-context state a backend keeps (handles, cached plans, device buffers). Owned by the
 // context, destroyed with it.
 class BackendState {
@@ -91,6 +107,7 @@ class Backend {
   virtual lmloss_status run(lmloss_context& context, const LossCall& call) = 0;
   virtual lmloss_status run(lmloss_context& context, const TopkCall& call) = 0;
   virtual lmloss_status run(lmloss_context& context, const ScaleCall& call) = 0;
+  virtual lmloss_status run(lmloss_context& context, const WeightSumCall& call) = 0;
   // lmloss_context_synchronize: wait for queued work, report device-side errors.
   virtual lmloss_status synchronize(lmloss_context& context) = 0;
 };

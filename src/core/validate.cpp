@@ -3,6 +3,8 @@
 #include "core/validate.hpp"
 
 #include <cmath>
+#include <cstddef>
+#include <cstring>
 #include <string>
 
 #include "core/context.hpp"
@@ -144,8 +146,6 @@ lmloss_status check_scaling(double softcap, double temperature, const char* soft
 }
 
 lmloss_status check_options(const lmloss_loss_options& o) {
-  if (o.struct_size != sizeof(lmloss_loss_options))
-    return invalid("options.struct_size", "must be sizeof(lmloss_loss_options); initialise with LMLOSS_LOSS_OPTIONS_INIT");
   if (o.reduction < 0 || o.reduction >= LMLOSS_REDUCTION_COUNT) return invalid("options.reduction", "unknown reduction");
   if (!finite(o.normalizer) || o.normalizer < 0) return invalid("options.normalizer", "must be finite and >= 0 (0: the counted tokens)");
   if (!finite(o.ce_weight)) return invalid("options.ce_weight", "must be finite");
@@ -156,6 +156,52 @@ lmloss_status check_options(const lmloss_loss_options& o) {
   LMLOSS_CHECK(check_scaling(o.softcap, o.temperature, "options.softcap", "options.temperature"));
   if (o.flags & ~(LMLOSS_ACCUMULATE_GRAD_WEIGHT | LMLOSS_ACCUMULATE_GRAD_BIAS | LMLOSS_SUM_GRAD_WEIGHT_IN_F32))
     return invalid("options.flags", "unknown flag bits");
+  return LMLOSS_SUCCESS;
+}
+
+// lmloss_loss_options as 0.1 had it, before grad_weight_sum_tail: still accepted, the tail absent.
+constexpr size_t kLossOptionsSizeV01 = offsetof(lmloss_loss_options, grad_weight_sum_tail);
+
+// The caller's options, read only as far as its struct_size says, then checked.
+lmloss_status read_options(const lmloss_loss_options& given, lmloss_loss_options& o) {
+  if (given.struct_size != sizeof(lmloss_loss_options) && given.struct_size != kLossOptionsSizeV01)
+    return invalid("options.struct_size", "must be sizeof(lmloss_loss_options); initialise with LMLOSS_LOSS_OPTIONS_INIT");
+  o = lmloss_loss_options_default();
+  std::memcpy(static_cast<void*>(&o), &given, given.struct_size);
+  o.struct_size = sizeof(lmloss_loss_options);
+  LMLOSS_CHECK(check_options(o));
+  return check_tensor(o.grad_weight_sum_tail, "options.grad_weight_sum_tail");
+}
+
+// A 16-bit grad_weight's f32 sum kept in its own bytes (rows [0, split)) and in the caller's tail
+// (rows [split, vocab)): the layout both the loss calls and lmloss_round_grad_weight rely on.
+// Fills `split`.
+lmloss_status check_weight_sum(const lmloss_tensor& grad_weight, const char* grad_name, const lmloss_tensor& tail,
+                               const char* tail_name, int64_t vocab, int64_t hidden, int64_t& split) {
+  if (grad_weight.dtype != LMLOSS_BF16 && grad_weight.dtype != LMLOSS_F16)
+    return invalid(grad_name, std::string("dtype ") + dtype_name(grad_weight.dtype) +
+                                  ": a kept f32 sum is for a bf16 or f16 grad_weight (an f32 one is the sum itself)");
+  LMLOSS_CHECK(expect_dtype(tail, tail_name, LMLOSS_F32, LMLOSS_F32, "f32"));
+  const int64_t least = vocab - vocab / 16 * 8;  // LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS
+  if (tail.ndim != 2 || tail.shape[1] != hidden || tail.shape[0] < vocab - vocab / 2 || tail.shape[0] > vocab)
+    return invalid(tail_name, "expected shape (tail_rows, hidden = " + std::to_string(hidden) + ") with tail_rows in [" +
+                                  std::to_string(vocab - vocab / 2) + ", vocab = " + std::to_string(vocab) + "] (" +
+                                  std::to_string(least) + " at least as LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS gives it), got " +
+                                  shape_string(tail));
+  split = vocab - tail.shape[0];
+  if (split % 8 != 0)
+    return invalid(tail_name, "vocab - tail_rows = " + std::to_string(split) +
+                                  " rows held in grad_weight's bytes must be a multiple of 8");
+  if (split > 0 && (row_stride(grad_weight) != hidden || reinterpret_cast<uintptr_t>(grad_weight.data) % 16 != 0))
+    return invalid(grad_name, "holds rows of the f32 sum, so its rows must be dense (row stride = hidden) and its "
+                              "data 16-byte aligned; a tail of vocab rows leaves its bytes alone");
+  const auto begin = [](const lmloss_tensor& t) { return reinterpret_cast<uintptr_t>(t.data); };
+  const auto end = [&](const lmloss_tensor& t, size_t size) {
+    return begin(t) + size * size_t(row_stride(t)) * size_t(t.shape[0] - 1) + size * size_t(t.shape[1]);
+  };
+  if (tail.device_type == grad_weight.device_type && tail.device_index == grad_weight.device_index &&
+      begin(tail) < end(grad_weight, dtype_size(grad_weight.dtype)) && begin(grad_weight) < end(tail, sizeof(float)))
+    return invalid(tail_name, "overlaps grads.grad_weight");
   return LMLOSS_SUCCESS;
 }
 
@@ -215,10 +261,9 @@ lmloss_status validate_loss(Mode mode, const lmloss_head* head, const lmloss_tar
   if (!options) return invalid("options", "is NULL");
   call = LossCall{};
   call.mode = mode;
-  LMLOSS_CHECK(check_options(*options));
-  call.options = *options;
+  LMLOSS_CHECK(read_options(*options, call.options));
   LMLOSS_CHECK(check_head(*head, call));
-  LMLOSS_CHECK(check_targets(*targets, *options, call));
+  LMLOSS_CHECK(check_targets(*targets, call.options, call));
   const int64_t n = call.n_tokens;
   const lmloss_dtype compute = call.compute_dtype;
   const bool per_token = options->reduction == LMLOSS_REDUCTION_NONE;
@@ -279,6 +324,15 @@ lmloss_status validate_loss(Mode mode, const lmloss_head* head, const lmloss_tar
     }
     call.grads = g;
   }
+  lmloss_tensor& sum_tail = call.options.grad_weight_sum_tail;
+  if (call.grads.grad_weight.data && sum_tail.data) {
+    LMLOSS_CHECK(check_weight_sum(call.grads.grad_weight, "grads.grad_weight", sum_tail, "options.grad_weight_sum_tail",
+                                  call.vocab, call.hidden, call.weight_sum_split));
+  } else if (sum_tail.data && mode != Mode::forward) {
+    return invalid("options.grad_weight_sum_tail", "is given but grads.grad_weight is not");
+  } else {
+    sum_tail = none;  // a forward's options may be its backward's: the tail is not for it
+  }
 
   DeviceCheck device;
   LMLOSS_CHECK(device.add(call.head.logits, "head.logits"));
@@ -295,6 +349,7 @@ lmloss_status validate_loss(Mode mode, const lmloss_head* head, const lmloss_tar
   LMLOSS_CHECK(device.add(call.grads.grad_logits, "grads.grad_logits"));
   LMLOSS_CHECK(device.add(call.grads.grad_hidden, "grads.grad_hidden"));
   LMLOSS_CHECK(device.add(call.grads.grad_weight, "grads.grad_weight"));
+  LMLOSS_CHECK(device.add(sum_tail, "options.grad_weight_sum_tail"));
   LMLOSS_CHECK(device.add(call.grads.grad_bias, "grads.grad_bias"));
   call.device_type = device.type;
   call.device_index = device.index;
@@ -382,6 +437,35 @@ lmloss_status validate_scale(const lmloss_tensor* grad, const lmloss_tensor* sca
   LMLOSS_CHECK(device.add(call.scale, "scale"));
   call.rows = rows;
   call.cols = cols;
+  call.device_type = device.type;
+  call.device_index = device.index;
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status validate_round(const lmloss_tensor* grad_weight, const lmloss_tensor* tail, const lmloss_tensor* scale,
+                             WeightSumCall& call) {
+  call = WeightSumCall{};
+  if (!grad_weight || !grad_weight->data) return invalid("grad_weight", "is missing");
+  if (!tail || !tail->data) return invalid("tail", "is missing");
+  LMLOSS_CHECK(check_tensor(*grad_weight, "grad_weight"));
+  LMLOSS_CHECK(check_tensor(*tail, "tail"));
+  if (grad_weight->ndim != 2 || grad_weight->shape[0] < 1 || grad_weight->shape[1] < 1)
+    return invalid("grad_weight", "expected a shape (vocab, hidden) of at least one element, got " + shape_string(*grad_weight));
+  call.vocab = grad_weight->shape[0];
+  call.hidden = grad_weight->shape[1];
+  LMLOSS_CHECK(check_weight_sum(*grad_weight, "grad_weight", *tail, "tail", call.vocab, call.hidden, call.split));
+  call.grad_weight = *grad_weight;
+  call.tail = *tail;
+  call.scale = scale ? *scale : lmloss_tensor_none();
+  if (call.scale.data) {
+    LMLOSS_CHECK(check_tensor(call.scale, "scale"));
+    LMLOSS_CHECK(expect_shape(call.scale, "scale", 0, 0, 0, "() or (1)"));
+    LMLOSS_CHECK(expect_dtype(call.scale, "scale", LMLOSS_F32, LMLOSS_F32, "f32"));
+  }
+  DeviceCheck device;
+  LMLOSS_CHECK(device.add(call.grad_weight, "grad_weight"));
+  LMLOSS_CHECK(device.add(call.tail, "tail"));
+  LMLOSS_CHECK(device.add(call.scale, "scale"));
   call.device_type = device.type;
   call.device_index = device.index;
   return LMLOSS_SUCCESS;

@@ -38,6 +38,7 @@ using core::LossCall;
 using core::Mode;
 using core::TopkCall;
 using core::ScaleCall;
+using core::WeightSumCall;
 
 // Host blocks the context keeps between calls. A call's pieces go back to the pool, so the next
 // call of the same shape reuses memory already mapped: fresh pages cost a fault and a zeroing
@@ -255,7 +256,11 @@ class LogitsChunks {
 
   // dW (vocab, hidden) = beta dW + dZ^T X for the chunk last produced.
   void grad_weight(int64_t rows, const C* dz, C beta, C* dw, int64_t ldw) {
-    gemm(true, false, vocab_, hidden_, rows, C(1), dz, vocab_, x_rows(), x_stride(), beta, dw, ldw);
+    grad_weight_rows(0, vocab_, rows, dz, beta, dw, ldw);
+  }
+  // dW's rows [v0, v1) only, from the gradient's columns [v0, v1).
+  void grad_weight_rows(int64_t v0, int64_t v1, int64_t rows, const C* dz, C beta, C* dw, int64_t ldw) {
+    if (v1 > v0) gemm(true, false, v1 - v0, hidden_, rows, C(1), dz + v0, vocab_, x_rows(), x_stride(), beta, dw, ldw);
   }
 
  private:
@@ -362,9 +367,11 @@ class LossRunner {
     // Gradient buffers in the compute type, where the caller's are of another dtype.
     const bool dx_direct = g.grad_hidden.data && is_compute_type<C>(g.grad_hidden);
     const bool dw_direct = g.grad_weight.data && is_compute_type<C>(g.grad_weight);
+    // A kept f32 sum (options.grad_weight_sum_tail): rows [0, split) over grad_weight's own bytes.
+    const bool dw_kept = g.grad_weight.data && call.options.grad_weight_sum_tail.data;
     Workspace<C> dx, dw, db;
     if (wants_grads && g.grad_hidden.data && !dx_direct) dx = Workspace<C>(context_, size_t(plan_.chunk_rows) * size_t(hidden));
-    if (wants_grads && g.grad_weight.data && !dw_direct) dw = Workspace<C>(context_, size_t(vocab) * size_t(hidden));
+    if (wants_grads && g.grad_weight.data && !dw_direct && !dw_kept) dw = Workspace<C>(context_, size_t(vocab) * size_t(hidden));
     if (wants_grads && g.grad_bias.data) {
       db = Workspace<C>(context_, size_t(vocab));
       std::fill(db.get(), db.get() + vocab, C(0));
@@ -395,9 +402,17 @@ class LossRunner {
       if (g.grad_weight.data) {
         const bool first = row0 == 0;
         const bool accumulate_caller = (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT) != 0;
-        if (dw_direct)
+        if (dw_direct) {
           chunks.grad_weight(rows, z.get(), first && !accumulate_caller ? C(0) : C(1), static_cast<C*>(g.grad_weight.data), core::row_stride(g.grad_weight));
-        else
+        } else if (dw_kept) {
+          if constexpr (std::is_same_v<C, float>) {  // 16-bit inputs, so f32 compute
+            const C beta = first && !accumulate_caller ? C(0) : C(1);
+            const lmloss_tensor& tail = call.options.grad_weight_sum_tail;
+            const int64_t split = call.weight_sum_split;
+            chunks.grad_weight_rows(0, split, rows, z.get(), beta, static_cast<C*>(g.grad_weight.data), hidden);
+            chunks.grad_weight_rows(split, vocab, rows, z.get(), beta, static_cast<C*>(tail.data), core::row_stride(tail));
+          }
+        } else
           chunks.grad_weight(rows, z.get(), first ? C(0) : C(1), dw.get(), hidden);
       }
       if (g.grad_bias.data) add_column_sums(rows, z.get(), db.get());
@@ -405,7 +420,7 @@ class LossRunner {
 
     if (call.wants_loss() && call.options.reduction != LMLOSS_REDUCTION_NONE)
       *static_cast<C*>(call.loss.data) = C(loss_sum * inv_divisor_);
-    if (wants_grads && g.grad_weight.data && !dw_direct)
+    if (wants_grads && g.grad_weight.data && !dw_direct && !dw_kept)
       finish_accumulator(g.grad_weight, dw.get(), vocab, hidden, (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT) != 0);
     if (wants_grads && g.grad_bias.data)
       finish_accumulator(g.grad_bias, db.get(), 1, vocab, (call.options.flags & LMLOSS_ACCUMULATE_GRAD_BIAS) != 0);
@@ -643,6 +658,11 @@ class CpuBackend final : public core::Backend {
     return core::succeed();
   }
 
+  lmloss_status run(lmloss_context& context, const WeightSumCall& call) override {
+    round_weight_sum(call, thread_count(context));
+    return core::succeed();
+  }
+
   lmloss_status synchronize(lmloss_context&) override { return core::succeed(); }
 
  private:
@@ -659,6 +679,32 @@ class CpuBackend final : public core::Backend {
     }
   }
 
+  // grad_weight = round(sum * scale), the sum's rows [0, split) over grad_weight's own bytes and
+  // the rest in the tail. Row u's 16-bit values go over f32 row u / 2, so rows [a, 2a) can be
+  // narrowed together once rows below a are (row 0, whose values go over its own, through a copy).
+  static void round_weight_sum(const WeightSumCall& call, int threads) {
+    const float scale = call.scale.data ? *static_cast<const float*>(call.scale.data) : 1.0f;
+    const int64_t hidden = call.hidden;
+    const lmloss_tensor& out = call.grad_weight;
+    auto* bytes = static_cast<char*>(out.data);
+    auto narrow = [&](const float* in, int64_t row) {
+      void* dst = core::row_ptr_mut(out, row);
+      for (int64_t j = 0; j < hidden; ++j) core::store_float<float>(dst, out.dtype, j, in[j] * scale);
+    };
+    if (call.split > 0) {
+      std::vector<float> first(reinterpret_cast<const float*>(bytes), reinterpret_cast<const float*>(bytes) + hidden);
+      narrow(first.data(), 0);
+    }
+    for (int64_t a = 1; a < call.split; a *= 2) {
+      const int64_t b = std::min(2 * a, call.split);
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t r = a; r < b; ++r) narrow(reinterpret_cast<const float*>(bytes + r * hidden * int64_t(sizeof(float))), r);
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = call.split; r < call.vocab; ++r)
+      narrow(static_cast<const float*>(core::row_ptr(call.tail, r - call.split)), r);
+  }
+
   static void set_blas_threads(const lmloss_context& context) {
     if (context.num_threads > 0) openblas_set_num_threads(context.num_threads);
   }
@@ -673,7 +719,8 @@ class CpuBackend final : public core::Backend {
     size_t per_row = s;  // the row's loss
     if (call.wants_grads()) {
       if (g.grad_hidden.data && g.grad_hidden.dtype != c) per_row += size_t(call.hidden) * s;
-      if (g.grad_weight.data && g.grad_weight.dtype != c) fixed += size_t(call.vocab) * size_t(call.hidden) * s;
+      if (g.grad_weight.data && g.grad_weight.dtype != c && !call.options.grad_weight_sum_tail.data)
+        fixed += size_t(call.vocab) * size_t(call.hidden) * s;
       if (g.grad_bias.data) fixed += size_t(call.vocab) * s;
     }
     return f64 ? plan_head<double>(context, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row)

@@ -227,6 +227,17 @@ int64_t weight_grad_rows_in_place(const lmloss_tensor& grad_weight, int64_t voca
   return dense ? vocab / 2 / 8 * 8 : 0;
 }
 
+// A 16-bit dW (row stride ld) = round(sum * scale), rounded once from the f32 sum's rows [0, split)
+// over its own bytes (dense there: ld = hidden) and the rest in `tail`: the rows in place first,
+// as the tail's go over their bytes.
+lmloss_status round_weight_sum(void* rows, lmloss_dtype dtype, int64_t ld, int64_t split, int64_t vocab, int64_t hidden,
+                               const void* tail, int64_t tail_ld, const float* scale, cudaStream_t stream) {
+  LMLOSS_CHECK(launch_regroup_rows(rows, dtype, split, hidden, ld, true, scale, stream));
+  char* tail_rows16 = static_cast<char*>(rows) + split * ld * int64_t(core::dtype_size(dtype));
+  return launch_scale_rows(tail, LMLOSS_F32, tail_ld, scale, nullptr, vocab - split, hidden, tail_rows16, ld, dtype,
+                           stream);
+}
+
 // ---- planning --------------------------------------------------------------------------------
 // A call's workspace is a list of pieces, each `fixed + per_row * rows` bytes (the top-k sort's
 // scratch is its own function of rows), laid out in order with their alignment: the large
@@ -960,27 +971,35 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   const int64_t in_size = int64_t(core::dtype_size(call.input_dtype));
 
   // dW's rows as the products and the label term add to them: a 16-bit dW summed in f32 in place
-  // and in its tail (see weight_grad_rows_in_place), widened first when the call adds to it.
-  const bool wide_dw = call.linear && grads && g.grad_weight.data && g.grad_weight.dtype != LMLOSS_F32 &&
-                       (o.flags & LMLOSS_SUM_GRAD_WEIGHT_IN_F32);
+  // and in its tail (see weight_grad_rows_in_place), widened first when the call adds to it; or
+  // the caller's kept sum, in place and in the caller's tail, left unrounded.
+  const lmloss_tensor& kept_tail = o.grad_weight_sum_tail;
+  const bool kept_dw = call.linear && grads && g.grad_weight.data && kept_tail.data;
+  const bool wide_dw = kept_dw || (call.linear && grads && g.grad_weight.data && g.grad_weight.dtype != LMLOSS_F32 &&
+                                   (o.flags & LMLOSS_SUM_GRAD_WEIGHT_IN_F32));
   WeightGradRows dw;
   dw.rows = g.grad_weight.data;
   dw.ld = row_stride(g.grad_weight);
   dw.split = call.vocab;
   dw.dtype = g.grad_weight.dtype;
   Workspace dw_tail(r.context, r.state.device, r.stream);
-  char* tail_rows16 = nullptr;  // the caller's 16-bit rows from split on, the tail's at the end
-  if (wide_dw) {
+  if (kept_dw) {
+    dw.split = call.weight_sum_split;
+    dw.tail = kept_tail.data;
+    dw.tail_ld = row_stride(kept_tail);
+    dw.dtype = LMLOSS_F32;
+  } else if (wide_dw) {
     dw.split = weight_grad_rows_in_place(g.grad_weight, call.vocab, call.hidden);
     dw.tail_ld = call.hidden;
     dw.dtype = LMLOSS_F32;
     LMLOSS_CHECK(dw_tail.acquire(sizeof(float) * size_t(call.vocab - dw.split) * size_t(call.hidden)));
     dw.tail = dw_tail.at<void>(0);
-    tail_rows16 = static_cast<char*>(dw.rows) + dw.split * dw.ld * int64_t(core::dtype_size(g.grad_weight.dtype));
-    if (accumulate_w) {
+    if (accumulate_w) {  // the caller's 16-bit rows from split on into the tail, then the rest widened in place
+      const char* tail_rows16 = static_cast<char*>(dw.rows) + dw.split * dw.ld * int64_t(core::dtype_size(g.grad_weight.dtype));
       LMLOSS_CHECK(launch_scale_rows(tail_rows16, g.grad_weight.dtype, dw.ld, nullptr, nullptr, call.vocab - dw.split,
                                      call.hidden, dw.tail, dw.tail_ld, LMLOSS_F32, r.stream));
-      LMLOSS_CHECK(launch_regroup_rows(dw.rows, g.grad_weight.dtype, dw.split, call.hidden, dw.ld, false, r.stream));
+      LMLOSS_CHECK(launch_regroup_rows(dw.rows, g.grad_weight.dtype, dw.split, call.hidden, dw.ld, false, nullptr,
+                                       r.stream));
     }
   }
 
@@ -1142,11 +1161,9 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     if (plan.dx_beside_dw) LMLOSS_CHECK(side.join());
   }
 
-  if (wide_dw) {  // rounded once: the rows in place first, as the tail's go over their bytes
-    LMLOSS_CHECK(launch_regroup_rows(dw.rows, g.grad_weight.dtype, dw.split, call.hidden, dw.ld, true, r.stream));
-    LMLOSS_CHECK(launch_scale_rows(dw.tail, LMLOSS_F32, dw.tail_ld, nullptr, nullptr, call.vocab - dw.split,
-                                   call.hidden, tail_rows16, dw.ld, g.grad_weight.dtype, r.stream));
-  }
+  if (wide_dw && !kept_dw)
+    LMLOSS_CHECK(round_weight_sum(dw.rows, g.grad_weight.dtype, dw.ld, dw.split, call.vocab, call.hidden, dw.tail,
+                                  dw.tail_ld, nullptr, r.stream));
   if (reduced_loss) LMLOSS_CHECK(launch_reduce_loss(token_loss, call.n_tokens, scalars,
                                                     static_cast<float*>(call.loss.data), r.stream));
   if (bias_grad)
@@ -1489,6 +1506,14 @@ class CudaBackend final : public core::Backend {
     return launch_scale_rows(call.grad.data, call.grad.dtype, row_stride(call.grad), static_cast<const float*>(call.scale.data),
                              nullptr, call.rows, call.cols, call.out.data, row_stride(call.out), call.out.dtype,
                              static_cast<cudaStream_t>(context.stream));
+  }
+
+  lmloss_status run(lmloss_context& context, const core::WeightSumCall& call) override {
+    DeviceGuard guard(call.device_index);
+    return round_weight_sum(call.grad_weight.data, call.grad_weight.dtype, row_stride(call.grad_weight), call.split,
+                            call.vocab, call.hidden,
+                            call.tail.data, row_stride(call.tail), static_cast<const float*>(call.scale.data),
+                            static_cast<cudaStream_t>(context.stream));
   }
 
   lmloss_status synchronize(lmloss_context& context) override {

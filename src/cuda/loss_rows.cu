@@ -574,9 +574,11 @@ __global__ void __launch_bounds__(kLabelThreads)
 // a later one reads.
 constexpr int kFirstRowThreads = 256;
 template <typename T16, int kWidth, bool kNarrow>
-__global__ void __launch_bounds__(kFirstRowThreads) regroup_first_row_kernel(void* base, int64_t cols) {
+__global__ void __launch_bounds__(kFirstRowThreads) regroup_first_row_kernel(void* base, int64_t cols,
+                                                                             const float* scale) {
   float* wide = static_cast<float*>(base);
   T16* narrow = static_cast<T16*>(base);
+  const float by = kNarrow && scale ? *scale : 1.0f;
   constexpr int64_t kStep = int64_t(kFirstRowThreads) * kWidth;
   const int64_t steps = (cols + kStep - 1) / kStep;
   for (int64_t i = 0; i < steps; ++i) {
@@ -597,7 +599,7 @@ __global__ void __launch_bounds__(kFirstRowThreads) regroup_first_row_kernel(voi
       if constexpr (kNarrow) {
         Pack<T16, kWidth> h;
 #pragma unroll
-        for (int e = 0; e < kWidth; ++e) h.v[e] = from_float<T16>(v.v[e]);
+        for (int e = 0; e < kWidth; ++e) h.v[e] = from_float<T16>(v.v[e] * by);
         *reinterpret_cast<Pack<T16, kWidth>*>(narrow + j) = h;
       } else {
         *reinterpret_cast<Pack<float, kWidth>*>(wide + j) = v;
@@ -899,7 +901,7 @@ lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, con
 }
 
 lmloss_status launch_regroup_rows(void* base, lmloss_dtype dtype, int64_t rows, int64_t cols, int64_t ld,
-                                  bool narrow, cudaStream_t stream) {
+                                  bool narrow, const float* scale, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return LMLOSS_SUCCESS;
   if (dtype != LMLOSS_BF16 && dtype != LMLOSS_F16)
     return core::fail(LMLOSS_ERROR_INTERNAL, "regrouping rows: bf16 or f16 only");
@@ -908,7 +910,7 @@ lmloss_status launch_regroup_rows(void* base, lmloss_dtype dtype, int64_t rows, 
     const bool vector = cols % 4 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0;
     auto with_type = [&](auto typed) {
       using T16 = decltype(typed);
-      auto launch = [&](auto kernel) { kernel<<<1, kFirstRowThreads, 0, stream>>>(base, cols); };
+      auto launch = [&](auto kernel) { kernel<<<1, kFirstRowThreads, 0, stream>>>(base, cols, scale); };
       if (vector) launch(narrow ? regroup_first_row_kernel<T16, 4, true> : regroup_first_row_kernel<T16, 4, false>);
       else launch(narrow ? regroup_first_row_kernel<T16, 1, true> : regroup_first_row_kernel<T16, 1, false>);
     };
@@ -926,7 +928,7 @@ lmloss_status launch_regroup_rows(void* base, lmloss_dtype dtype, int64_t rows, 
   auto wave = [&](int64_t a, int64_t b) {
     char* wide = bytes + a * ld * int64_t(sizeof(float));
     char* narrowed = bytes + a * ld * int64_t(size16);
-    return narrow ? launch_scale_rows(wide, LMLOSS_F32, ld, nullptr, nullptr, b - a, cols, narrowed, ld, dtype, stream)
+    return narrow ? launch_scale_rows(wide, LMLOSS_F32, ld, scale, nullptr, b - a, cols, narrowed, ld, dtype, stream)
                   : launch_scale_rows(narrowed, dtype, ld, nullptr, nullptr, b - a, cols, wide, ld, LMLOSS_F32, stream);
   };
   std::vector<int64_t> starts;

@@ -273,8 +273,8 @@ lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, con
 // f16 matrix of row stride ld (in its elements) hold f32 values at row stride ld instead, f32 row
 // u over the bytes of 16-bit rows 2u and 2u + 1 and what lies between them (so rows <= vocab / 2,
 // and ld = cols unless those bytes are the caller's to use). Narrowing rounds them once into their
-// own 16-bit rows, in place; widening is its inverse. base: 4-byte aligned.
+// own 16-bit rows, in place, times *scale (null: 1); widening is its inverse. base: 4-byte aligned.
 lmloss_status launch_regroup_rows(void* base, lmloss_dtype dtype, int64_t rows, int64_t cols, int64_t ld,
-                                  bool narrow, cudaStream_t stream);
+                                  bool narrow, const float* scale, cudaStream_t stream);
 
 }  // namespace lmloss::cuda

@@ -1,0 +1,198 @@
+// A 16-bit grad_weight's f32 sum kept across calls (options.grad_weight_sum_tail) and rounded
+// once by lmloss_round_grad_weight, on every device: micro-batches added into the kept sum give,
+// rounded with a scale, what the same calls into an f32 grad_weight give rounded once on the host
+// (but for the rare element whose two f32 sums straddle a rounding boundary), and the float64
+// reference within the dtype's tolerance.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "harness.hpp"
+#include "lmloss/lmloss.hpp"
+
+namespace lmloss::test {
+namespace {
+
+class KeptWeightSum : public DeviceDtypeTest {
+ protected:
+  // Rows [r0, r1) of a linear problem's tokens: one micro-batch.
+  static reference::Problem tokens_of(const reference::Problem& p, int64_t r0, int64_t r1) {
+    reference::Problem q = p;
+    q.n_tokens = r1 - r0;
+    q.hidden_states.assign(p.hidden_states.begin() + r0 * p.hidden, p.hidden_states.begin() + r1 * p.hidden);
+    if (!p.labels.empty()) q.labels.assign(p.labels.begin() + r0, p.labels.begin() + r1);
+    if (p.top_k > 0) {
+      q.teacher_ids.assign(p.teacher_ids.begin() + r0 * p.top_k, p.teacher_ids.begin() + r1 * p.top_k);
+      q.teacher_probs.assign(p.teacher_probs.begin() + r0 * p.top_k, p.teacher_probs.begin() + r1 * p.top_k);
+    }
+    return q;
+  }
+
+  // A budget of about `rows` token rows (a few chunks a call on either device).
+  static size_t budget_for_rows(int64_t rows, int64_t vocab, int64_t hidden) {
+    return 64 * 1024 + size_t(rows) * size_t(vocab + hidden) * 8;
+  }
+
+  lmloss::Context ctx;
+};
+
+struct SumShape {
+  int64_t n_tokens, vocab, hidden, tail_rows, row_padding;
+};
+
+// Two micro-batches, the second added with LMLOSS_ACCUMULATE_GRAD_WEIGHT, in a few chunks each:
+// the smallest tail; a tail of every row (grad_weight's rows padded, its bytes not the library's
+// until the rounding); one between; an odd width; a vocabulary too narrow for rows in place; one
+// token in the first micro-batch. Cross-entropy with every option, and distillation mixed with it.
+TEST_P(KeptWeightSum, MicroBatchesRoundedOnceMatchTheirF32Sum) {
+  if (dtype() != LMLOSS_BF16 && dtype() != LMLOSS_F16) GTEST_SKIP() << "a kept f32 sum is for a 16-bit grad_weight";
+  Generator gen(5101);
+  const int64_t least_1999 = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(int64_t(1999));
+  for (const SumShape shape : {SumShape{300, 1999, 72, least_1999, 0}, SumShape{300, 1999, 72, 1999, 8},
+                               SumShape{300, 1999, 72, least_1999 + 24, 0}, SumShape{200, 1000, 37, 504, 0},
+                               SumShape{40, 15, 64, 15, 0}, SumShape{2, 503, 16, 255, 0}}) {
+    for (const char* name : {"everything", "distill_mixed"}) {
+      SCOPED_TRACE(cat(name, " N ", shape.n_tokens, " V ", shape.vocab, " H ", shape.hidden, " tail rows ",
+                       shape.tail_rows, " padding ", shape.row_padding));
+      lmloss_loss_options o = lmloss_loss_options_default();
+      int64_t top_k = 0;
+      if (std::string(name) == "everything") {
+        o.label_smoothing = 0.05;
+        o.z_loss = 1e-3;
+        o.softcap = 8.0;
+        o.temperature = 0.8;
+      } else {
+        o.ce_weight = 0.4;
+        o.kd_weight = 0.9;
+        top_k = 4;
+      }
+      const reference::Problem p =
+          rounded(gen.problem({.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden,
+                               .top_k = top_k}),
+                  dtype());
+      const int64_t n1 = shape.n_tokens == 2 ? 1 : shape.n_tokens / 3;
+      const int64_t vocab = p.vocab, hidden = p.hidden, ld = hidden + shape.row_padding;
+      ctx.set_workspace_budget(budget_for_rows(64, vocab, hidden));
+      const lmloss_dtype label_dtype = LMLOSS_I64;
+
+      // Inputs for all tokens; each micro-batch a view of its rows.
+      Buffer x = Buffer::of_values(device(), dtype(), p.hidden_states, 2, p.n_tokens, hidden);
+      Buffer w = Buffer::of_values(device(), dtype(), p.weight, 2, vocab, hidden);
+      Buffer labels = Buffer::of_ids(device(), label_dtype, p.labels, 1, p.n_tokens);
+      Buffer ids, probs;
+      if (top_k > 0) {
+        ids = Buffer::of_ids(device(), LMLOSS_I32, p.teacher_ids, 2, p.n_tokens, top_k);
+        probs = Buffer::of_values(device(), LMLOSS_F32, p.teacher_probs, 2, p.n_tokens, top_k);
+      }
+      for (Buffer* b : {&x, &w, &labels, &ids, &probs})
+        if (b->present()) b->upload();
+      Buffer loss(device(), LMLOSS_F32, 0, 1);
+      auto rows_of = [](lmloss_tensor t, int64_t r0, int64_t r1) {
+        t.data = static_cast<char*>(t.data) + r0 * (t.ndim == 2 ? t.shape[1] : 1) * int64_t(dtype_size(t.dtype));
+        t.shape[0] = r1 - r0;
+        return t;
+      };
+      // Both micro-batches into `grad_weight`, the second added.
+      auto run_batches = [&](const Buffer& grad_weight, lmloss_loss_options options) {
+        for (const auto& [r0, r1] : {std::pair<int64_t, int64_t>{0, n1}, {n1, p.n_tokens}}) {
+          const lmloss_head head{lmloss_tensor_none(), rows_of(x.tensor(), r0, r1), w.tensor(), lmloss_tensor_none()};
+          const lmloss_targets targets{rows_of(labels.tensor(), r0, r1),
+                                       ids.present() ? rows_of(ids.tensor(), r0, r1) : lmloss_tensor_none(),
+                                       probs.present() ? rows_of(probs.tensor(), r0, r1) : lmloss_tensor_none(),
+                                       lmloss_tensor_none()};
+          const lmloss_grads grads{lmloss_tensor_none(), lmloss_tensor_none(), grad_weight.tensor(),
+                                   lmloss_tensor_none()};
+          const lmloss_tensor loss_t = loss.tensor(), none = lmloss_tensor_none();
+          if (r0 > 0) options.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT;
+          ASSERT_EQ(lmloss_loss_forward_backward(ctx.get(), &head, &targets, &options, nullptr, &loss_t, &none, &grads),
+                    LMLOSS_SUCCESS)
+              << lmloss_last_error();
+        }
+      };
+
+      // The kept sum, then rounded with a scale.
+      Buffer kept(device(), dtype(), 2, vocab, hidden, ld);
+      Buffer tail(device(), LMLOSS_F32, 2, shape.tail_rows, hidden);
+      Buffer scale = Buffer::of_values(device(), LMLOSS_F32, {0.75}, 0, 1);
+      kept.poison();
+      tail.poison();
+      for (Buffer* b : {&kept, &tail, &scale}) b->upload();
+      lmloss_loss_options kept_options = o;
+      kept_options.grad_weight_sum_tail = tail.tensor();
+      ASSERT_NO_FATAL_FAILURE(run_batches(kept, kept_options));
+      const lmloss_tensor kept_t = kept.tensor(), tail_t = tail.tensor(), scale_t = scale.tensor();
+      ASSERT_EQ(lmloss_round_grad_weight(ctx.get(), &kept_t, &tail_t, &scale_t), LMLOSS_SUCCESS) << lmloss_last_error();
+      ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      kept.download();
+      EXPECT_TRUE(fully_written(kept));
+
+      // The same calls into an f32 grad_weight, rounded here.
+      Buffer wide(device(), LMLOSS_F32, 2, vocab, hidden);
+      wide.poison();
+      wide.upload();
+      ASSERT_NO_FATAL_FAILURE(run_batches(wide, o));
+      ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      wide.download();
+
+      const double ulp = dtype() == LMLOSS_BF16 ? 0x1p-7 : 0x1p-10;  // at most, relative
+      int64_t differ = 0;
+      const int64_t count = vocab * hidden;
+      for (int64_t i = 0; i < count; ++i) {
+        const double got = kept.get(i), want = round_to(dtype(), double(float(wide.get(i)) * 0.75f));
+        if (got == want) continue;
+        ++differ;
+        ASSERT_LE(std::fabs(got - want), ulp * std::fabs(want) + 0x1p-24) << "element " << i;
+      }
+      EXPECT_LE(differ, std::max<int64_t>(1, count / 100)) << differ << " of " << count << " elements differ";
+
+      // And the float64 reference of both micro-batches, scaled.
+      const reference::LossResult first = reference::loss(tokens_of(p, 0, n1), o);
+      const reference::LossResult second = reference::loss(tokens_of(p, n1, p.n_tokens), o);
+      std::vector<double> want(static_cast<size_t>(count));
+      for (int64_t i = 0; i < count; ++i) want[i] = 0.75 * (first.grad_weight[i] + second.grad_weight[i]);
+      EXPECT_TRUE(close_to(kept.values(), want, tolerance(dtype())));
+    }
+  }
+}
+
+// Without a scale, from one call's kept sum: every element written, the tail only read, and the
+// same bytes from a second call and rounding.
+TEST_P(KeptWeightSum, RoundingReadsTheTailOnly) {
+  if (dtype() != LMLOSS_BF16 && dtype() != LMLOSS_F16) GTEST_SKIP() << "a kept f32 sum is for a 16-bit grad_weight";
+  Generator gen(5102);
+  const int64_t vocab = 77, hidden = 24, tail_rows = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab);
+  const reference::Problem p = rounded(gen.problem({.n_tokens = 9, .vocab = vocab, .hidden = hidden}), dtype());
+  LossSetup s;
+  s.device = device();
+  s.dtype = dtype();
+  s.grad_dtype = dtype();
+  s.want_grad_hidden = false;
+  LossCase c(p, lmloss_loss_options_default(), s);
+  Buffer tail(device(), LMLOSS_F32, 2, tail_rows, hidden);
+  c.options.grad_weight_sum_tail = tail.tensor();
+  std::vector<std::vector<double>> rounds;
+  for (int round = 0; round < 2; ++round) {
+    tail.poison();
+    tail.upload();
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    tail.download();
+    EXPECT_EQ(tail.unwritten(), 0);
+    tail.snapshot();
+    const lmloss_tensor grad_t = c.grad_weight.tensor(), tail_t = tail.tensor();
+    ASSERT_EQ(lmloss_round_grad_weight(ctx.get(), &grad_t, &tail_t, nullptr), LMLOSS_SUCCESS) << lmloss_last_error();
+    ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS);
+    c.grad_weight.download();
+    tail.download();
+    EXPECT_TRUE(tail.untouched());
+    EXPECT_TRUE(fully_written(c.grad_weight));
+    rounds.push_back(c.grad_weight.values());
+  }
+  EXPECT_EQ(rounds[0], rounds[1]);
+  EXPECT_TRUE(close_to(rounds[0], c.reference().grad_weight, tolerance(dtype())));
+}
+
+INSTANTIATE_TEST_SUITE_P(, KeptWeightSum,
+                         ::testing::Combine(all_devices, ::testing::Values(LMLOSS_BF16, LMLOSS_F16)), ParamName{});
+
+}  // namespace
+}  // namespace lmloss::test
