@@ -4,7 +4,8 @@
 For each preset and mode: naive PyTorch (F.cross_entropy(h @ W.T)), torch.compile of it, Liger
 Kernel's LigerFusedLinearCrossEntropyLoss and Cut Cross-Entropy's linear_cross_entropy (default
 gradient filtering, and exact with filter_eps=None), and lmloss itself (lmloss.torch, and
-lmloss.topk for top-k; for fwd+bwd also its fused op alone, "lmloss-op"), when they import.
+lmloss.topk for top-k; for fwd+bwd also its fused op alone, "lmloss-op", and lmloss.torch with
+its 16-bit dW summed in a float32 tensor of its own, "lmloss-f32dw"), when they import.
 Each row: median time of CUDA events around the step (L2 flushed before every run), the peak
 extra device memory over the inputs (gradients included), and the floor: the bare torch.matmul
 products of the same step (forward; + dX; + dW) timed right before the method, on the card as the
@@ -178,11 +179,21 @@ def lmloss_methods(mode, y, ids, p):
         return {"lmloss": lambda x, w: lmloss.topk(x, w, k)}
     out = {"lmloss": lambda x, w: lt.linear_cross_entropy(x, w, y)}
     if mode == "fwd_bwd":
+        # The same with the 16-bit dW summed in a float32 tensor of its own and rounded into a new
+        # one in backward (lmloss.torch before the kept sum, and under torch.compile).
+        def f32_dw(x, w):
+            lt._KEEP_WEIGHT_SUM = False
+            try:
+                return lt.linear_cross_entropy(x, w, y)
+            finally:
+                lt._KEEP_WEIGHT_SUM = True
+        out["lmloss-f32dw"] = f32_dw
         # The fused op alone, outside autograd: loss and gradients for an upstream gradient of 1,
-        # dW in float32 (what lmloss.torch's forward runs, before its backward's scaling).
+        # a 16-bit dW kept as its float32 sum (what lmloss.torch's forward runs, before backward
+        # rounds it).
         out["lmloss-op"] = lambda x, w: torch.ops.lmloss.loss_forward_backward(
             None, x, w, None, y, None, None, None, "mean", -100, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0,
-            False, True, True, False)
+            False, True, True, False, True)
     return out
 
 

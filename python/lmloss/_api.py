@@ -190,6 +190,10 @@ def invoke_scale_gradient(device: int, **kwargs) -> None:
     _invoke(_lmloss.scale_gradient, device, **kwargs)
 
 
+def invoke_round_grad_weight(device: int, **kwargs) -> None:
+    _invoke(_lmloss.round_grad_weight, device, **kwargs)
+
+
 def synchronize(device=None) -> None:
     """Waits for this thread's lmloss work on a CUDA device and raises ValueError if a label or
     teacher id was found out of range there since the last check. `device`: a CUDA ordinal, a

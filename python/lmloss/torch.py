@@ -15,7 +15,9 @@ and the gradients together (each chunk of logits is formed once, 6NHV flops); ba
 them by the upstream gradient. With reduction "none" the upstream gradient is a per-token vector
 known only in backward, so forward saves log-sum-exp and backward recomputes the logits a chunk at
 a time (8NHV flops). For bf16/f16 weights the weight and bias gradients are accumulated in float32
-and cast to the parameter's dtype once.
+and cast to the parameter's dtype once; eagerly the weight's float32 sum is held over the bytes of
+the gradient it becomes (and a tail) and rounded there, in place, so a second backward through
+the same loss (retain_graph=True) raises.
 """
 
 from __future__ import annotations
@@ -73,23 +75,52 @@ def _empty_like_shape(ref: Tensor, shape, dtype) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=ref.device)
 
 
-def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias):
-    """(grad_logits, grad_hidden, grad_weight, grad_bias); an empty tensor stands for a gradient
-    not wanted (a custom op returns tensors, never None)."""
+def _keeps_weight_sum(weight: Optional[Tensor], want_weight: bool) -> bool:
+    """Whether a 16-bit weight's gradient is summed in float32 over its own bytes and a tail (the
+    library's kept sum, rounded once at the end) rather than in a float32 tensor of its own."""
+    return weight is not None and want_weight and weight.dtype in _LOW_PRECISION
+
+
+def _weight_sum_tail_rows(vocab: int) -> int:
+    """LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS: the rows of the float32 sum beyond grad_weight's bytes."""
+    return vocab - vocab // 16 * 8
+
+
+def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias,
+                  keep_weight_sum=False):
+    """(grad_logits, grad_hidden, grad_weight, grad_bias, grad_weight_sum_tail); an empty tensor
+    stands for a gradient not wanted (a custom op returns tensors, never None). With
+    keep_weight_sum, a 16-bit weight's gradient has the weight's dtype and holds, with the tail,
+    its float32 sum until lmloss_round_grad_weight rounds it in place; else a 16-bit weight's is
+    float32."""
     lead = logits if logits is not None else hidden
 
     def none():  # each output its own tensor: a custom op's outputs may not alias
         return _empty_like_shape(lead, (0,), lead.dtype)
 
+    keep = keep_weight_sum and _keeps_weight_sum(weight, want_weight)
     g_logits = torch.empty_like(logits, memory_format=torch.contiguous_format) if (
         logits is not None and want_logits) else none()
     g_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if (
         hidden is not None and want_hidden) else none()
-    g_weight = _empty_like_shape(weight, weight.shape, _accumulate_dtype(weight.dtype)) if (
+    g_weight = _empty_like_shape(weight, weight.shape,
+                                 weight.dtype if keep else _accumulate_dtype(weight.dtype)) if (
         weight is not None and want_weight) else none()
     g_bias = _empty_like_shape(bias, bias.shape, _accumulate_dtype(bias.dtype)) if (
         bias is not None and want_bias) else none()
-    return g_logits, g_hidden, g_weight, g_bias
+    tail = _empty_like_shape(weight, (_weight_sum_tail_rows(weight.shape[0]), weight.shape[1]),
+                             torch.float32) if keep else none()
+    return g_logits, g_hidden, g_weight, g_bias, tail
+
+
+def _round_weight_sum(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> Tensor:
+    """grad_weight = its kept float32 sum (with the tail) times scale (None: 1), rounded once into
+    its own dtype, in place (lmloss_round_grad_weight)."""
+    if scale is not None:
+        scale = scale.reshape(()).to(torch.float32).contiguous()
+    _api.invoke_round_grad_weight(_device(None, grad_weight), grad_weight=grad_weight, tail=tail,
+                                  scale=scale)
+    return grad_weight
 
 
 def _present(t: Tensor) -> Optional[Tensor]:
@@ -150,8 +181,9 @@ def _loss_backward(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients from a saved lse and the upstream gradient, logits recomputed a chunk at a
     time; an empty tensor for each one not wanted."""
-    g_logits, g_hidden, g_weight, g_bias = _grad_buffers(
-        logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias)
+    g_logits, g_hidden, g_weight, g_bias, tail = _grad_buffers(
+        logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias,
+        keep_weight_sum=True)
     compute = lse.dtype
     _run("backward", _device(logits, hidden), logits=_rows(logits), hidden=_rows(hidden),
          weight=_rows(weight), bias=_rows(bias), labels=_rows(labels),
@@ -162,7 +194,10 @@ def _loss_backward(
          temperature=temperature, lse=_rows(lse),
          grad_loss=grad_loss.to(compute).contiguous(),
          grad_logits=_present(g_logits), grad_hidden=_present(g_hidden),
-         grad_weight=_present(g_weight), grad_bias=_present(g_bias))
+         grad_weight=_present(g_weight), grad_bias=_present(g_bias),
+         grad_weight_sum_tail=_present(tail))
+    if tail.numel() > 0:  # the upstream gradient is in the sum already
+        _round_weight_sum(g_weight, tail, None)
     return g_logits, g_hidden, g_weight, g_bias
 
 
@@ -171,7 +206,7 @@ def _(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_ma
       ignore_index, normalizer, ce_weight, kd_weight, label_smoothing, z_loss, softcap,
       temperature, lse, grad_loss, want_logits, want_hidden, want_weight, want_bias):
     return _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_weight,
-                         want_bias)
+                         want_bias, keep_weight_sum=True)[:4]
 
 
 def _loss_forward_backward_impl(
@@ -181,16 +216,19 @@ def _loss_forward_backward_impl(
     ignore_index: int, normalizer: float, ce_weight: float, kd_weight: float,
     label_smoothing: float, z_loss: float, softcap: float, temperature: float,
     want_logits: bool, want_hidden: bool, want_weight: bool, want_bias: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(loss, lse, grad_logits, grad_hidden, grad_weight, grad_bias) in one pass, the gradients
-    for an upstream gradient of 1 (reduction mean or sum)."""
+    keep_weight_sum: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, grad_logits, grad_hidden, grad_weight, grad_bias, grad_weight_sum_tail) in one
+    pass, the gradients for an upstream gradient of 1 (reduction mean or sum); a 16-bit weight's
+    gradient left as its kept float32 sum with keep_weight_sum (see _grad_buffers)."""
     lead = logits if logits is not None else hidden
     compute = _compute_dtype(lead.dtype)
     n = lead.shape[0]
     loss = _empty_like_shape(lead, (n,) if reduction == "none" else (), compute)
     lse = _empty_like_shape(lead, (n,), compute)
-    g_logits, g_hidden, g_weight, g_bias = _grad_buffers(
-        logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias)
+    g_logits, g_hidden, g_weight, g_bias, tail = _grad_buffers(
+        logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias,
+        keep_weight_sum)
     _run("forward_backward", _device(logits, hidden), logits=_rows(logits),
          hidden=_rows(hidden), weight=_rows(weight), bias=_rows(bias), labels=_rows(labels),
          teacher_ids=_rows(teacher_ids), teacher_probs=_rows(teacher_probs),
@@ -199,8 +237,9 @@ def _loss_forward_backward_impl(
          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
          temperature=temperature, loss=loss, lse=lse,
          grad_logits=_present(g_logits), grad_hidden=_present(g_hidden),
-         grad_weight=_present(g_weight), grad_bias=_present(g_bias))
-    return loss, lse, g_logits, g_hidden, g_weight, g_bias
+         grad_weight=_present(g_weight), grad_bias=_present(g_bias),
+         grad_weight_sum_tail=_present(tail))
+    return loss, lse, g_logits, g_hidden, g_weight, g_bias, tail
 
 
 _loss_forward_backward = torch.library.custom_op("lmloss::loss_forward_backward", mutates_args=())(
@@ -210,16 +249,22 @@ _loss_forward_backward = torch.library.custom_op("lmloss::loss_forward_backward"
 @_loss_forward_backward.register_fake
 def _(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask, reduction,
       ignore_index, normalizer, ce_weight, kd_weight, label_smoothing, z_loss, softcap,
-      temperature, want_logits, want_hidden, want_weight, want_bias):
+      temperature, want_logits, want_hidden, want_weight, want_bias, keep_weight_sum):
     lead = logits if logits is not None else hidden
     n = lead.shape[0]
     compute = _compute_dtype(lead.dtype)
     loss = lead.new_empty((n,) if reduction == "none" else (), dtype=compute)
     return (loss, lead.new_empty((n,), dtype=compute)) + tuple(_grad_buffers(
-        logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias))
+        logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias,
+        keep_weight_sum))
 
 
 # ---- Autograd --------------------------------------------------------------------------------
+
+# Whether eager fused steps keep a 16-bit weight's gradient as its float32 sum over its own bytes
+# (the default); False gives it a float32 tensor of its own, as a traced graph does: for
+# benchmarks that set the two side by side.
+_KEEP_WEIGHT_SUM = True
 
 _N_HEAD_TARGETS = 8  # logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask
 _N_OPTIONS = 9       # reduction ... temperature
@@ -259,7 +304,8 @@ _loss_forward.register_autograd(_backward_forward, setup_context=_setup_forward)
 def _setup_forward_backward(ctx, inputs, output):
     head = inputs[:4]
     ctx.dtypes = tuple(None if t is None else t.dtype for t in head)
-    ctx.want = inputs[_N_HEAD_TARGETS + _N_OPTIONS:]
+    ctx.want = inputs[_N_HEAD_TARGETS + _N_OPTIONS:_N_HEAD_TARGETS + _N_OPTIONS + 4]
+    ctx.weight_sum_rounded = False
     ctx.save_for_backward(*output[2:])
     ctx.mark_non_differentiable(*output[1:])
     # Gradients of the outputs besides the loss are never used; materialised, they would be zero
@@ -308,13 +354,33 @@ def _scaled_to(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
     return out
 
 
+def _rounded_weight_sum(ctx, grad_weight: Tensor, tail: Tensor, grad_loss: Tensor) -> Tensor:
+    """The fused step's kept float32 sum of a 16-bit weight's gradient, times the upstream
+    gradient, rounded once into its own bytes: what becomes weight.grad, with no float32 copy of
+    the gradient beside a 16-bit one. In place, so once per forward."""
+    if ctx.weight_sum_rounded:
+        raise RuntimeError(
+            "lmloss: a second backward through the same loss (retain_graph=True) cannot take a "
+            "16-bit weight's gradient again: the first rounded its float32 sum in place. Compute "
+            "the loss again for each backward.")
+    ctx.weight_sum_rounded = True
+    if grad_loss.requires_grad:  # a backward that builds a graph: PyTorch's product after it
+        return torch.mul(_round_weight_sum(grad_weight, tail, None), grad_loss)
+    return _round_weight_sum(grad_weight, tail, grad_loss)
+
+
 def _backward_forward_backward(ctx, grad_loss, *_grads_of_aux):
     if grad_loss is None:
-        return _no_grads(_N_HEAD_TARGETS + _N_OPTIONS + 4)
+        return _no_grads(_N_HEAD_TARGETS + _N_OPTIONS + 5)
     grads = ctx.saved_tensors
-    out = [None] * (_N_HEAD_TARGETS + _N_OPTIONS + 4)
+    tail = grads[4]
+    out = [None] * (_N_HEAD_TARGETS + _N_OPTIONS + 5)
     for i in range(4):
-        if ctx.want[i]:
+        if not ctx.want[i]:
+            continue
+        if i == 2 and tail.numel() > 0:
+            out[i] = _rounded_weight_sum(ctx, grads[i], tail, grad_loss)
+        else:
             out[i] = _scaled_to(grads[i], grad_loss, ctx.dtypes[i])
     return tuple(out)
 
@@ -377,8 +443,13 @@ def _loss(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, toke
     args = (logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask)
     traced = torch.compiler.is_compiling()  # torch.compile and torch.export see the custom ops
     if any(want) and opts["reduction"] != "none":
-        step = _loss_forward_backward if traced else _EagerForwardBackward.apply
-        loss = step(*args, *option_values, *want)[0]
+        # Eagerly a 16-bit weight's gradient is summed in float32 over its own bytes and a tail
+        # and rounded in place in backward. A traced graph keeps a float32 sum of its own: its
+        # backward may not write over a tensor saved from forward.
+        if traced:
+            loss = _loss_forward_backward(*args, *option_values, *want, False)[0]
+        else:
+            loss = _EagerForwardBackward.apply(*args, *option_values, *want, _KEEP_WEIGHT_SUM)[0]
     elif traced:
         loss = _loss_forward(*args, *option_values)[0]
     elif any(want):

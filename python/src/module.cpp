@@ -262,7 +262,7 @@ void loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb
                int64_t ignore_index, double normalizer, double ce_weight, double kd_weight,
                double label_smoothing, double z_loss, double softcap, double temperature,
                bool accumulate_grad_weight, bool accumulate_grad_bias, bool sum_grad_weight_in_f32,
-               nb::handle grad_loss,
+               nb::handle grad_weight_sum_tail, nb::handle grad_loss,
                nb::handle loss, nb::handle lse, nb::handle grad_logits, nb::handle grad_hidden,
                nb::handle grad_weight, nb::handle grad_bias, uintptr_t stream,
                nb::handle allocator) {
@@ -291,7 +291,9 @@ void loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb
        v_g_logits = describe(grad_logits, "grad_logits", true),
        v_g_hidden = describe(grad_hidden, "grad_hidden", true),
        v_g_weight = describe(grad_weight, "grad_weight", true),
-       v_g_bias = describe(grad_bias, "grad_bias", true);
+       v_g_bias = describe(grad_bias, "grad_bias", true),
+       v_sum_tail = describe(grad_weight_sum_tail, "grad_weight_sum_tail", true);
+  options.grad_weight_sum_tail = v_sum_tail.tensor;
 
   const lmloss_head head{v_logits.tensor, v_hidden.tensor, v_weight.tensor, v_bias.tensor};
   const lmloss_targets targets{v_labels.tensor, v_ids.tensor, v_probs.tensor, v_mask.tensor};
@@ -338,6 +340,15 @@ void scale_gradient_call(nb::handle grad, nb::handle scale, nb::handle out, uint
   lmloss::scale_gradient(ctx, v_grad.tensor, v_scale.tensor, v_out.tensor);
 }
 
+void round_grad_weight_call(nb::handle grad_weight, nb::handle tail, nb::handle scale, uintptr_t stream,
+                            nb::handle allocator) {
+  View v_grad = describe(grad_weight, "grad_weight", true), v_tail = describe(tail, "tail"),
+       v_scale = describe(scale, "scale");
+  lmloss::Context& ctx = context_for(device_key(v_grad.tensor), stream, allocator);
+  nb::gil_scoped_release release;
+  lmloss::round_grad_weight(ctx, v_grad.tensor, v_tail.tensor, v_scale.tensor);
+}
+
 }  // namespace
 
 NB_MODULE(_lmloss, m) {
@@ -362,7 +373,7 @@ NB_MODULE(_lmloss, m) {
         nb::arg("label_smoothing"), nb::arg("z_loss"), nb::arg("softcap"),
         nb::arg("temperature"), nb::arg("accumulate_grad_weight") = false,
         nb::arg("accumulate_grad_bias") = false, nb::arg("sum_grad_weight_in_f32") = false,
-        nb::arg("grad_loss").none() = nb::none(),
+        nb::arg("grad_weight_sum_tail").none() = nb::none(), nb::arg("grad_loss").none() = nb::none(),
         nb::arg("loss").none() = nb::none(), nb::arg("lse").none() = nb::none(), nb::arg("grad_logits").none() = nb::none(),
         nb::arg("grad_hidden").none() = nb::none(), nb::arg("grad_weight").none() = nb::none(),
         nb::arg("grad_bias").none() = nb::none(), nb::arg("stream") = 0, nb::arg("allocator").none() = nb::none());
@@ -374,6 +385,9 @@ NB_MODULE(_lmloss, m) {
 
   m.def("scale_gradient", &scale_gradient_call, nb::kw_only(), nb::arg("grad"), nb::arg("scale").none() = nb::none(),
         nb::arg("out"), nb::arg("stream") = 0, nb::arg("allocator").none() = nb::none());
+
+  m.def("round_grad_weight", &round_grad_weight_call, nb::kw_only(), nb::arg("grad_weight"), nb::arg("tail"),
+        nb::arg("scale").none() = nb::none(), nb::arg("stream") = 0, nb::arg("allocator").none() = nb::none());
 
   // Waits for the device's queued work of this thread's context and reports an id found out of
   // range there (device -1: the CPU, where ids are checked before anything is written).
