@@ -142,13 +142,15 @@ if has_stage bench; then
   tail -12 "$OUT/lmloss_bench.log"
 fi
 
-# Not in the default stages: a 16-bit dW three ways (f32, rounded per chunk, summed in f32 and
-# rounded once) in alternating rounds, its two-part product against one batched product, and
-# lmloss's dW errors against float64 (bench/dw_rounding.py's emulation, checked).
+# Not in the default stages: a 16-bit dW four ways (f32, rounded per chunk, summed in f32 and
+# rounded once, its f32 sum kept in the caller's tail and rounded by a second call) in
+# alternating rounds, its two-part product against one batched product, lmloss's dW errors
+# against float64 (bench/dw_rounding.py's emulation, checked), and lmloss.torch with the kept
+# sum against a float32 dW of its own beside torch.compile, at llama3-8b and a 70B head (H 8192).
 if has_stage dw; then
   echo "== dW: its dtype and rounding, its products in two parts, its error"
   for round in 1 2; do
-    for dw in f32 input input-once; do
+    for dw in f32 input input-once input-kept; do
       run "$BUILD/tools/bench_cuda_modes" --preset llama3-8b --modes fwd_bwd --repeats 5 --dw-dtype $dw 2>&1 |
         sed "s/^fwd_bwd /dw $dw round $round: /" | tee -a "$OUT/modes_dw.log"
     done
@@ -162,6 +164,11 @@ if has_stage dw; then
   for tokens in 8192 32768; do
     PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens $tokens --modes fwd_bwd --methods lmloss \
       --accuracy --repeats 3 2>&1 | tee -a "$OUT/dw_accuracy.log"
+  done
+  for hidden in 4096 8192; do
+    PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --hidden $hidden --modes fwd_bwd \
+      --methods lmloss,lmloss-f32dw,torch.compile --repeats 5 --rounds 2 --json "$OUT/peers_kept_$hidden.json" 2>&1 |
+      tee -a "$OUT/peers_kept.log"
   done
 fi
 
