@@ -7,8 +7,9 @@
 #   scripts/gpu_check.sh [--build DIR] [--stages tests,sanitizer,bench,curve,peers] [--quick]
 #                        [--peer-rounds R]
 #
-# --stages may also name dw (not run by default): a 16-bit dW timed three ways, its products in two
-# parts against one batched product, and lmloss's dW errors against float64.
+# --stages may also name dw (not run by default): a 16-bit dW timed four ways, its products in two
+# parts against one batched product, lmloss's dW errors against float64, and lmloss.torch with its
+# dW's f32 sum kept against a float32 dW of its own, beside torch.compile.
 #
 # The build folder (default build-cuda) is used as it is when it holds the binaries (a build made
 # on another machine: scripts/gpu_build.sh --pack), else configured and built here. Python peers
@@ -116,6 +117,14 @@ if has_stage sanitizer; then
     note "sanit.  $tool rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
     [ $rc -ne 0 ] && FAILED=1
   done
+  # A 16-bit dW's kept f32 sum: its rows rounded in place, in waves, over their own bytes.
+  if [ -x "$BUILD/tests/test_weight_sum" ]; then
+    run timeout 200 "$SAN" --tool memcheck --error-exitcode 9 "$BUILD/tests/test_weight_sum" --gtest_filter='*cuda*' \
+      > "$OUT/sanitizer_memcheck_weight_sum.log" 2>&1
+    rc=$?
+    note "sanit.  memcheck test_weight_sum rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_weight_sum.log" | tail -1)"
+    [ $rc -ne 0 ] && FAILED=1
+  fi
 fi
 
 REPEATS=10
