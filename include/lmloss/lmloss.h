@@ -189,8 +189,10 @@ typedef enum lmloss_reduction {
  * [0, split), split = vocab - tail_rows, are then held in grad_weight's own bytes (row r at byte
  * offset 4 r hidden; split <= vocab / 2 and a multiple of 8, and, when split > 0, grad_weight's rows
  * dense and 16-byte aligned), the rest in the tail. The whole sum costs 4 bytes a weight, half of
- * them the gradient's own, where an f32 copy beside a 16-bit gradient costs 6. This is the
- * smallest tail; with tail_rows = vocab, grad_weight's bytes are not used until the rounding. */
+ * them the gradient's own, where an f32 copy beside a 16-bit gradient costs 6. A tail that
+ * starts where those rows end (split = vocab / 2: vocab a multiple of 16) makes the sum one f32
+ * matrix, which each token chunk's product fills at once; else each chunk takes two. This macro
+ * gives the smallest tail; with tail_rows = vocab, grad_weight's bytes are unused until rounding. */
 #define LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab) ((vocab) - (vocab) / 16 * 8)
 
 typedef struct lmloss_loss_options {

@@ -103,14 +103,30 @@ def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_w
         logits is not None and want_logits) else none()
     g_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if (
         hidden is not None and want_hidden) else none()
-    g_weight = _empty_like_shape(weight, weight.shape,
-                                 weight.dtype if keep else _accumulate_dtype(weight.dtype)) if (
-        weight is not None and want_weight) else none()
+    if keep:
+        g_weight, tail = _weight_sum_buffers(weight)
+    else:
+        g_weight = _empty_like_shape(weight, weight.shape, _accumulate_dtype(weight.dtype)) if (
+            weight is not None and want_weight) else none()
+        tail = none()
     g_bias = _empty_like_shape(bias, bias.shape, _accumulate_dtype(bias.dtype)) if (
         bias is not None and want_bias) else none()
-    tail = _empty_like_shape(weight, (_weight_sum_tail_rows(weight.shape[0]), weight.shape[1]),
-                             torch.float32) if keep else none()
     return g_logits, g_hidden, g_weight, g_bias, tail
+
+
+def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
+    """A 16-bit weight's gradient, over whose bytes the first rows of its float32 sum are held,
+    and the sum's tail. On CUDA with a vocabulary of a multiple of 16, the two are taken from
+    PyTorch's caching allocator right after one block of both sizes is given back to it, which
+    splits that block and places the tail where the gradient's bytes end: the sum is then one
+    float32 matrix, which each token chunk's product fills at once (else two products a chunk)."""
+    vocab, hidden = weight.shape
+    tail_rows = _weight_sum_tail_rows(vocab)
+    if weight.device.type == "cuda" and 2 * tail_rows == vocab and not torch.compiler.is_compiling():
+        torch.empty(vocab * hidden, dtype=torch.float32, device=weight.device)  # freed at once
+    g_weight = _empty_like_shape(weight, weight.shape, weight.dtype)
+    tail = _empty_like_shape(weight, (tail_rows, hidden), torch.float32)
+    return g_weight, tail
 
 
 def _round_weight_sum(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> Tensor:

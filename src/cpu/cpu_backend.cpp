@@ -408,9 +408,14 @@ class LossRunner {
           if constexpr (std::is_same_v<C, float>) {  // 16-bit inputs, so f32 compute
             const C beta = first && !accumulate_caller ? C(0) : C(1);
             const lmloss_tensor& tail = call.options.grad_weight_sum_tail;
+            auto* in_place = static_cast<C*>(g.grad_weight.data);
             const int64_t split = call.weight_sum_split;
-            chunks.grad_weight_rows(0, split, rows, z.get(), beta, static_cast<C*>(g.grad_weight.data), hidden);
-            chunks.grad_weight_rows(split, vocab, rows, z.get(), beta, static_cast<C*>(tail.data), core::row_stride(tail));
+            if (tail.data == in_place + split * hidden && core::row_stride(tail) == hidden) {  // one matrix
+              chunks.grad_weight_rows(0, vocab, rows, z.get(), beta, in_place, hidden);
+            } else {
+              chunks.grad_weight_rows(0, split, rows, z.get(), beta, in_place, hidden);
+              chunks.grad_weight_rows(split, vocab, rows, z.get(), beta, static_cast<C*>(tail.data), core::row_stride(tail));
+            }
           }
         } else
           chunks.grad_weight(rows, z.get(), first ? C(0) : C(1), dw.get(), hidden);

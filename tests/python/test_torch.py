@@ -473,6 +473,18 @@ def test_cuda_weight_gradient_cast_without_a_full_size_temporary(keep, monkeypat
 
 
 @needs_cuda
+def test_cuda_weight_sum_is_one_matrix_where_the_vocabulary_allows():
+    # The tail placed where the gradient's bytes end (one product a chunk); else apart (two).
+    for vocab, adjacent in ((32768, True), (32760, False)):
+        w = torch.empty(vocab, 512, dtype=torch.bfloat16, device="cuda")
+        g_weight, tail = lt._weight_sum_buffers(w)
+        assert g_weight.dtype == torch.bfloat16 and g_weight.shape == w.shape
+        assert tail.shape == (lt._weight_sum_tail_rows(vocab), 512) and tail.dtype == torch.float32
+        if adjacent:
+            assert tail.data_ptr() == g_weight.data_ptr() + g_weight.nbytes
+
+
+@needs_cuda
 def test_cuda_compile_inductor_and_bad_label_flag():
     x, w, b, y = linear_inputs(dtype=torch.bfloat16, device="cuda", batch=(8, 128), v=4096, h=256)
     torch._dynamo.reset()
