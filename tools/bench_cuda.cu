@@ -588,12 +588,21 @@ class ModesBench {
   }
   void tune_products(bool on) { tune_ = on; }
   // dW's dtype in the loss modes and their floor (f32 unless asked: the parameter's dtype).
-  // With `kept`, a 16-bit dW is kept as its f32 sum over its own bytes and a tail of the
-  // benchmark's (options.grad_weight_sum_tail), and each step ends with lmloss_round_grad_weight.
-  void set_dw_dtype(lmloss_dtype d, uint32_t flags, bool kept = false) {
+  // With `kept`, a 16-bit dW is kept as its f32 sum over its own bytes and a tail
+  // (options.grad_weight_sum_tail), and each step ends with lmloss_round_grad_weight. The tail
+  // follows the rows in place where the vocabulary allows (one f32 matrix, one product a chunk,
+  // as lmloss.torch places it), unless `apart`: then it is a buffer of its own (two products).
+  void set_dw_dtype(lmloss_dtype d, uint32_t flags, bool kept = false, bool apart = false) {
     dw_dtype_ = d;
     dw_flags_ = flags;
-    if (kept) dw_sum_tail_ = DeviceBuffer(size_t(LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_)) * size_t(h_) * 4);
+    if (!kept) return;
+    const int64_t tail_rows = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_);
+    if (!apart && 2 * tail_rows == v_) {
+      dw_sum_tail_at_ = static_cast<char*>(dw_.ptr) + size_t(v_) * size_t(h_) * 2;  // dw_ holds f32 (v, h)
+    } else {
+      dw_sum_tail_ = DeviceBuffer(size_t(tail_rows) * size_t(h_) * 4);
+      dw_sum_tail_at_ = dw_sum_tail_.ptr;
+    }
   }
   // Host sleep before each timed run (floor and step alike), so that each starts on a card that
   // has rested (its clocks and temperature as after an idle gap) instead of one kept hot.
@@ -962,9 +971,9 @@ class ModesBench {
     const bool want_dx = want_dw || mode == "dx_only";
     lmloss_loss_options o = lmloss_loss_options_default();
     o.flags |= dw_flags_;
-    const bool kept_sum = want_dw && dw_sum_tail_.ptr;
+    const bool kept_sum = want_dw && dw_sum_tail_at_;
     const lmloss_tensor sum_tail =
-        kept_sum ? dev_matrix(dw_sum_tail_.ptr, LMLOSS_F32, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_), h_) : lmloss_tensor_none();
+        kept_sum ? dev_matrix(dw_sum_tail_at_, LMLOSS_F32, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_), h_) : lmloss_tensor_none();
     o.grad_weight_sum_tail = sum_tail;
     if (distill) {
       o.ce_weight = 0;
@@ -1042,7 +1051,8 @@ class ModesBench {
   bool tune_ = false;  // lmloss_context_set_product_tuning on the library's contexts
   lmloss_dtype dw_dtype_ = LMLOSS_F32;
   uint32_t dw_flags_ = 0;  // LMLOSS_SUM_GRAD_WEIGHT_IN_F32 for --dw-dtype input-once
-  DeviceBuffer dw_sum_tail_;  // --dw-dtype input-kept: the kept f32 sum's tail
+  DeviceBuffer dw_sum_tail_;         // --dw-dtype input-kept-apart: the kept f32 sum's tail
+  void* dw_sum_tail_at_ = nullptr;   // --dw-dtype input-kept*: where that tail is
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -1096,15 +1106,18 @@ int run(int argc, char** argv) {
   const lmloss_dtype dt = dtype == "f16" ? LMLOSS_F16 : dtype == "f32" ? LMLOSS_F32 : LMLOSS_BF16;
   ModesBench bench(n, h, v, dt, repeats);
   bench.tune_products(tune);
-  if (dw_dtype != "f32" && dw_dtype != "input" && dw_dtype != "input-once" && dw_dtype != "input-kept")
-    throw std::invalid_argument("--dw-dtype takes f32, input, input-once or input-kept");
+  if (dw_dtype != "f32" && dw_dtype != "input" && dw_dtype != "input-once" && dw_dtype != "input-kept" &&
+      dw_dtype != "input-kept-apart")
+    throw std::invalid_argument("--dw-dtype takes f32, input, input-once, input-kept or input-kept-apart");
   bench.set_dw_dtype(dw_dtype == "f32" ? LMLOSS_F32 : dt,
-                     dw_dtype == "input-once" ? LMLOSS_SUM_GRAD_WEIGHT_IN_F32 : 0u, dw_dtype == "input-kept");
+                     dw_dtype == "input-once" ? LMLOSS_SUM_GRAD_WEIGHT_IN_F32 : 0u, dw_dtype.rfind("input-kept", 0) == 0,
+                     dw_dtype == "input-kept-apart");
   bench.set_rest_ms(rest_ms);
   if (clocks && !bench.sample_clocks()) std::fprintf(stderr, "# --clocks: NVML did not answer; no clocks\n");
   const char* dw_note = dw_dtype == "input"        ? ", dW in the input dtype, rounded per chunk"
                         : dw_dtype == "input-once" ? ", dW in the input dtype, summed in f32 and rounded once"
-                        : dw_dtype == "input-kept" ? ", dW in the input dtype, its f32 sum kept in a tail, rounded by the caller"
+                        : dw_dtype == "input-kept" ? ", dW in the input dtype, its f32 sum kept with a tail after it, rounded by the caller"
+                        : dw_dtype == "input-kept-apart" ? ", dW in the input dtype, its f32 sum kept with a tail apart, rounded by the caller"
                                                    : "";
   std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events%s%s%s\n",
               device_description().c_str(), p.name, (long long)n, (long long)h, (long long)v,
