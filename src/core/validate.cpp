@@ -159,6 +159,15 @@ lmloss_status check_options(const lmloss_loss_options& o) {
   return LMLOSS_SUCCESS;
 }
 
+// An optional scale (NULL: 1): one element of the product's dtype.
+lmloss_status read_scale(const lmloss_tensor* scale, lmloss_dtype product, lmloss_tensor& out) {
+  out = scale ? *scale : lmloss_tensor_none();
+  if (!out.data) return LMLOSS_SUCCESS;
+  LMLOSS_CHECK(check_tensor(out, "scale"));
+  LMLOSS_CHECK(expect_shape(out, "scale", 0, 0, 0, "() or (1)"));
+  return expect_dtype(out, "scale", product, product, dtype_name(product));
+}
+
 // lmloss_loss_options as 0.1 had it, before grad_weight_sum_tail: still accepted, the tail absent.
 constexpr size_t kLossOptionsSizeV01 = offsetof(lmloss_loss_options, grad_weight_sum_tail);
 
@@ -423,14 +432,8 @@ lmloss_status validate_scale(const lmloss_tensor* grad, const lmloss_tensor* sca
     return invalid("out", "shares grad's memory with another dtype or stride; only out = grad in place is allowed");
   call.grad = *grad;
   call.out = *out;
-  call.scale = scale ? *scale : lmloss_tensor_none();
-  if (call.scale.data) {
-    LMLOSS_CHECK(check_tensor(call.scale, "scale"));
-    LMLOSS_CHECK(expect_shape(call.scale, "scale", 0, 0, 0, "() or (1)"));
-    // The product's dtype: f64 for an f64 grad, else f32 (a 16-bit grad is widened first).
-    const lmloss_dtype product = grad->dtype == LMLOSS_F64 ? LMLOSS_F64 : LMLOSS_F32;
-    LMLOSS_CHECK(expect_dtype(call.scale, "scale", product, product, dtype_name(product)));
-  }
+  // The product's dtype: f64 for an f64 grad, else f32 (a 16-bit grad is widened first).
+  LMLOSS_CHECK(read_scale(scale, grad->dtype == LMLOSS_F64 ? LMLOSS_F64 : LMLOSS_F32, call.scale));
   DeviceCheck device;
   LMLOSS_CHECK(device.add(call.grad, "grad"));
   LMLOSS_CHECK(device.add(call.out, "out"));
@@ -456,12 +459,7 @@ lmloss_status validate_round(const lmloss_tensor* grad_weight, const lmloss_tens
   LMLOSS_CHECK(check_weight_sum(*grad_weight, "grad_weight", *tail, "tail", call.vocab, call.hidden, call.split));
   call.grad_weight = *grad_weight;
   call.tail = *tail;
-  call.scale = scale ? *scale : lmloss_tensor_none();
-  if (call.scale.data) {
-    LMLOSS_CHECK(check_tensor(call.scale, "scale"));
-    LMLOSS_CHECK(expect_shape(call.scale, "scale", 0, 0, 0, "() or (1)"));
-    LMLOSS_CHECK(expect_dtype(call.scale, "scale", LMLOSS_F32, LMLOSS_F32, "f32"));
-  }
+  LMLOSS_CHECK(read_scale(scale, LMLOSS_F32, call.scale));
   DeviceCheck device;
   LMLOSS_CHECK(device.add(call.grad_weight, "grad_weight"));
   LMLOSS_CHECK(device.add(call.tail, "tail"));
