@@ -180,7 +180,7 @@ def lmloss_methods(mode, y, ids, p):
     out = {"lmloss": lambda x, w: lt.linear_cross_entropy(x, w, y)}
     if mode == "fwd_bwd":
         # The same with the 16-bit dW summed in a float32 tensor of its own and rounded into a new
-        # one in backward (lmloss.torch before the kept sum, and under torch.compile).
+        # one in backward (lmloss.torch before the kept sum).
         def f32_dw(x, w):
             lt._KEEP_WEIGHT_SUM = False
             try:

@@ -17,7 +17,8 @@ known only in backward, so forward saves log-sum-exp and backward recomputes the
 a time (8NHV flops). For bf16/f16 weights the weight and bias gradients are accumulated in float32
 and cast to the parameter's dtype once; eagerly the weight's float32 sum is held over the bytes of
 the gradient it becomes (and a tail) and rounded there, in place, so a second backward through
-the same loss (retain_graph=True) raises.
+the same loss (retain_graph=True) raises (under torch.compile, PyTorch's check of the buffers a
+compiled backward reuses raises).
 """
 
 from __future__ import annotations
@@ -129,13 +130,26 @@ def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
     return g_weight, tail
 
 
-def _round_weight_sum(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> Tensor:
-    """grad_weight = its kept float32 sum (with the tail) times scale (None: 1), rounded once into
-    its own dtype, in place (lmloss_round_grad_weight)."""
-    if scale is not None:
-        scale = scale.reshape(()).to(torch.float32).contiguous()
+@torch.library.custom_op("lmloss::round_grad_weight", mutates_args=("grad_weight",))
+def _round_grad_weight(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> None:
+    """lmloss_round_grad_weight: grad_weight = its kept float32 sum (with the tail) times scale
+    (None: 1), rounded once into its own dtype, in place. A custom op that says it writes
+    grad_weight, so that a traced backward may call it on a tensor saved from forward (Inductor
+    then runs it on that tensor's memory, which the backward donates)."""
     _api.invoke_round_grad_weight(_device(None, grad_weight), grad_weight=grad_weight, tail=tail,
                                   scale=scale)
+
+
+@_round_grad_weight.register_fake
+def _(grad_weight, tail, scale):
+    return None
+
+
+def _round_weight_sum(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> Tensor:
+    """grad_weight, its kept float32 sum rounded once into it, times scale (None: 1)."""
+    if scale is not None:
+        scale = scale.reshape(()).to(torch.float32).contiguous()
+    _round_grad_weight(grad_weight, tail, scale)
     return grad_weight
 
 
@@ -277,9 +291,9 @@ def _(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_ma
 
 # ---- Autograd --------------------------------------------------------------------------------
 
-# Whether eager fused steps keep a 16-bit weight's gradient as its float32 sum over its own bytes
-# (the default); False gives it a float32 tensor of its own, as a traced graph does: for
-# benchmarks that set the two side by side.
+# Whether fused steps keep a 16-bit weight's gradient as its float32 sum over its own bytes (the
+# default); False gives it a float32 tensor of its own: for benchmarks that set the two side by
+# side.
 _KEEP_WEIGHT_SUM = True
 
 _N_HEAD_TARGETS = 8  # logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask
@@ -374,11 +388,6 @@ def _rounded_weight_sum(ctx, grad_weight: Tensor, tail: Tensor, grad_loss: Tenso
     """The fused step's kept float32 sum of a 16-bit weight's gradient, times the upstream
     gradient, rounded once into its own bytes: what becomes weight.grad, with no float32 copy of
     the gradient beside a 16-bit one. In place, so once per forward."""
-    if ctx.weight_sum_rounded:
-        raise RuntimeError(
-            "lmloss: a second backward through the same loss (retain_graph=True) cannot take a "
-            "16-bit weight's gradient again: the first rounded its float32 sum in place. Compute "
-            "the loss again for each backward.")
     ctx.weight_sum_rounded = True
     if grad_loss.requires_grad:  # a backward that builds a graph: PyTorch's product after it
         return torch.mul(_round_weight_sum(grad_weight, tail, None), grad_loss)
@@ -388,6 +397,11 @@ def _rounded_weight_sum(ctx, grad_weight: Tensor, tail: Tensor, grad_loss: Tenso
 def _backward_forward_backward(ctx, grad_loss, *_grads_of_aux):
     if grad_loss is None:
         return _no_grads(_N_HEAD_TARGETS + _N_OPTIONS + 5)
+    if ctx.weight_sum_rounded:  # before the saved tensors' own check, with the reason
+        raise RuntimeError(
+            "lmloss: a second backward through the same loss (retain_graph=True) cannot take a "
+            "16-bit weight's gradient again: the first rounded its float32 sum in place. Compute "
+            "the loss again for each backward.")
     grads = ctx.saved_tensors
     tail = grads[4]
     out = [None] * (_N_HEAD_TARGETS + _N_OPTIONS + 5)
@@ -459,13 +473,10 @@ def _loss(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, toke
     args = (logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask)
     traced = torch.compiler.is_compiling()  # torch.compile and torch.export see the custom ops
     if any(want) and opts["reduction"] != "none":
-        # Eagerly a 16-bit weight's gradient is summed in float32 over its own bytes and a tail
-        # and rounded in place in backward. A traced graph keeps a float32 sum of its own: its
-        # backward may not write over a tensor saved from forward.
-        if traced:
-            loss = _loss_forward_backward(*args, *option_values, *want, False)[0]
-        else:
-            loss = _EagerForwardBackward.apply(*args, *option_values, *want, _KEEP_WEIGHT_SUM)[0]
+        # A 16-bit weight's gradient is summed in float32 over its own bytes and a tail and
+        # rounded there in backward.
+        step = _loss_forward_backward if traced else _EagerForwardBackward.apply
+        loss = step(*args, *option_values, *want, _KEEP_WEIGHT_SUM)[0]
     elif traced:
         loss = _loss_forward(*args, *option_values)[0]
     elif any(want):
