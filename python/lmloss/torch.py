@@ -15,9 +15,9 @@ and the gradients together (each chunk of logits is formed once, 6NHV flops); ba
 them by the upstream gradient. With reduction "none" the upstream gradient is a per-token vector
 known only in backward, so forward saves log-sum-exp and backward recomputes the logits a chunk at
 a time (8NHV flops). For bf16/f16 weights the weight and bias gradients are accumulated in float32
-and cast to the parameter's dtype once; eagerly the weight's float32 sum is held over the bytes of
-the gradient it becomes (and a tail) and rounded there, in place, so a second backward through
-the same loss (retain_graph=True) raises (under torch.compile, PyTorch's check of the buffers a
+and cast to the parameter's dtype once; the weight's float32 sum is held over the bytes of the
+gradient it becomes (and a tail) and rounded there, in place, so a second backward through the
+same loss (retain_graph=True) raises (under torch.compile, PyTorch's check of the buffers a
 compiled backward reuses raises).
 """
 
