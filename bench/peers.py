@@ -258,8 +258,7 @@ def bf16_weight_gradients(x, w, y):
     device = x.device.index if x.device.type == "cuda" else -1
     _api.invoke_loss("forward_backward", device, hidden=x, weight=w, labels=y,
                      loss=torch.empty((), device=x.device), lse=torch.empty(x.shape[0], device=x.device),
-                     grad_hidden=torch.empty_like(x), grad_weight=per_chunk,
-                     sum_grad_weight_in_f32=False, **opts)
+                     grad_hidden=torch.empty_like(x), grad_weight=per_chunk, **opts)
     return once, per_chunk
 
 

@@ -363,19 +363,51 @@ def _grad_weight_dtype(value, x: Array) -> str:
     return name
 
 
+def _data_address(a) -> int:
+    return a.data_ptr() if hasattr(a, "data_ptr") else a.__array_interface__["data"][0]
+
+
+def _weight_sum_buffers(x: Array, shape, dtype: str):
+    """A 16-bit grad_weight and the float32 tail of its kept sum (the library's
+    grad_weight_sum_tail): the sum is summed over the gradient's own bytes (its first half of rows,
+    when they are 16-byte aligned) and the tail, and rounded once into the gradient after the
+    call. On CUDA with a vocabulary of a multiple of 16, the two are taken from PyTorch's caching
+    allocator right after one block of both sizes is given back, which places the tail where the
+    gradient's bytes end: the sum is then one float32 matrix (one product a chunk)."""
+    vocab, hidden = shape
+    least = vocab - vocab // 16 * 8  # LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS
+    if x.device >= 0 and 2 * least == vocab:
+        empty(x, (vocab * hidden,), "float32")  # given back at once
+    g_weight = empty(x, shape, dtype)
+    tail_rows = least if _data_address(g_weight) % 16 == 0 else vocab
+    return g_weight, empty(x, (tail_rows, hidden), "float32")
+
+
 def _linear_grads(x: Array, w: Array, b: Optional[Array], n: int, grad: bool,
                   grad_weight: bool, weight_dtype: str) -> dict:
     """The gradient arrays the library writes. A 16-bit grad_weight is summed in float32 and
-    rounded once (the library's flag for it: on CUDA it would be rounded after each chunk of
-    tokens otherwise), as the library always sums a grad_bias."""
+    rounded once (see _weight_sum_buffers; on CUDA it would be rounded after each chunk of tokens
+    otherwise), as the library always sums a grad_bias."""
     if not grad:
         return {}
+    g_weight = tail = None
+    if grad_weight and weight_dtype in _SIXTEEN_BIT:
+        g_weight, tail = _weight_sum_buffers(x, w.shape, weight_dtype)
+    elif grad_weight:
+        g_weight = empty(x, w.shape, weight_dtype)
     return dict(
         grad_hidden=empty(x, (n, x.shape[-1]), x.dtype),
-        grad_weight=empty(x, w.shape, weight_dtype) if grad_weight else None,
+        grad_weight=g_weight,
         grad_bias=empty(x, (w.shape[0],), x.dtype) if b is not None else None,
-        sum_grad_weight_in_f32=grad_weight and weight_dtype in _SIXTEEN_BIT,
+        grad_weight_sum_tail=tail,
     )
+
+
+def _round_weight_sum(x: Array, grads: dict) -> None:
+    """A 16-bit grad_weight's kept float32 sum rounded once into it, after the loss call."""
+    if grads.get("grad_weight_sum_tail") is not None:
+        invoke_round_grad_weight(x.device, grad_weight=grads["grad_weight"],
+                                 tail=grads["grad_weight_sum_tail"], scale=None)
 
 
 def _linear_result(x: Array, loss, lse, grads: dict, reduction: str, batch: tuple) -> LossResult:
@@ -410,8 +442,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     grad_bias: gradients of the loss (of the sum of the per-token losses for "none").
     grad_weight comes in hidden's dtype, or in grad_weight_dtype (float32 for a 16-bit head:
     the fastest on CUDA, and unrounded). A 16-bit grad_weight is summed in float32 and rounded
-    once; on CUDA that holds about vocab / 2 x hidden float32 values beyond the workspace budget
-    during the call."""
+    once: half of that sum over the gradient's own bytes and half in a float32 array of about
+    vocab / 2 x hidden held during the call."""
     x, w, b = _linear_head(hidden, weight, bias)
     batch = x.shape[:-1]
     y = _batched(labels, "labels", batch, "hidden")
@@ -422,6 +454,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     invoke_loss("forward_backward" if grad else "forward", x.device, hidden=x_rows,
                 weight=w.rows(), bias=_bias_rows(b), labels=y.flat(),
                 loss=loss, lse=lse, **grads, **opts)
+    _round_weight_sum(x, grads)
     return _linear_result(x, loss, lse, grads, opts["reduction"], batch)
 
 
@@ -456,6 +489,7 @@ def linear_distill(hidden, weight, teacher_ids, teacher_probs, *, bias=None, lab
                 teacher_ids=ids.rows(), teacher_probs=probs.rows(),
                 token_mask=None if mask is None else mask.flat(),
                 loss=loss, lse=lse, **grads, **opts)
+    _round_weight_sum(x, grads)
     return _linear_result(x, loss, lse, grads, opts["reduction"], batch)
 
 

@@ -261,8 +261,8 @@ void loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb
                nb::handle teacher_probs, nb::handle token_mask, const std::string& reduction,
                int64_t ignore_index, double normalizer, double ce_weight, double kd_weight,
                double label_smoothing, double z_loss, double softcap, double temperature,
-               bool accumulate_grad_weight, bool accumulate_grad_bias, bool sum_grad_weight_in_f32,
-               nb::handle grad_weight_sum_tail, nb::handle grad_loss,
+               bool accumulate_grad_weight, bool accumulate_grad_bias, nb::handle grad_weight_sum_tail,
+               nb::handle grad_loss,
                nb::handle loss, nb::handle lse, nb::handle grad_logits, nb::handle grad_hidden,
                nb::handle grad_weight, nb::handle grad_bias, uintptr_t stream,
                nb::handle allocator) {
@@ -279,8 +279,7 @@ void loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb
   options.softcap = softcap;
   options.temperature = temperature;
   options.flags = (accumulate_grad_weight ? LMLOSS_ACCUMULATE_GRAD_WEIGHT : 0u) |
-                  (accumulate_grad_bias ? LMLOSS_ACCUMULATE_GRAD_BIAS : 0u) |
-                  (sum_grad_weight_in_f32 ? LMLOSS_SUM_GRAD_WEIGHT_IN_F32 : 0u);
+                  (accumulate_grad_bias ? LMLOSS_ACCUMULATE_GRAD_BIAS : 0u);
 
   View v_logits = describe(logits, "logits"), v_hidden = describe(hidden, "hidden"),
        v_weight = describe(weight, "weight"), v_bias = describe(bias, "bias"),
@@ -372,8 +371,8 @@ NB_MODULE(_lmloss, m) {
         nb::arg("normalizer"), nb::arg("ce_weight"), nb::arg("kd_weight"),
         nb::arg("label_smoothing"), nb::arg("z_loss"), nb::arg("softcap"),
         nb::arg("temperature"), nb::arg("accumulate_grad_weight") = false,
-        nb::arg("accumulate_grad_bias") = false, nb::arg("sum_grad_weight_in_f32") = false,
-        nb::arg("grad_weight_sum_tail").none() = nb::none(), nb::arg("grad_loss").none() = nb::none(),
+        nb::arg("accumulate_grad_bias") = false, nb::arg("grad_weight_sum_tail").none() = nb::none(),
+        nb::arg("grad_loss").none() = nb::none(),
         nb::arg("loss").none() = nb::none(), nb::arg("lse").none() = nb::none(), nb::arg("grad_logits").none() = nb::none(),
         nb::arg("grad_hidden").none() = nb::none(), nb::arg("grad_weight").none() = nb::none(),
         nb::arg("grad_bias").none() = nb::none(), nb::arg("stream") = 0, nb::arg("allocator").none() = nb::none());

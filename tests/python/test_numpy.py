@@ -193,6 +193,25 @@ def test_linear_cross_entropy_grad_weight_dtype():
                                     grad_weight_dtype="float64")
 
 
+def test_sixteen_bit_weight_gradient_beyond_the_workspace_budget():
+    """A float16 head's weight gradient is summed in float32 over its own bytes and an array of
+    the call's, not in workspace: a budget smaller than that float32 sum still serves, with the
+    same result as a float32 gradient rounded once."""
+    rng = np.random.default_rng(10)
+    n, h, v = 64, 64, 4099  # the float32 sum: 1 MiB
+    x, w, _ = make_linear(rng, n, h, v, "float32")
+    x, w = x.astype(np.float16), w.astype(np.float16)
+    y = make_labels(rng, n, v)
+    before = lmloss.workspace_budget()
+    try:
+        lmloss.set_workspace_budget(256 * 1024)
+        r16 = lmloss.linear_cross_entropy(x, w, y, grad=True)
+        r32 = lmloss.linear_cross_entropy(x, w, y, grad=True, grad_weight_dtype="float32")
+    finally:
+        lmloss.set_workspace_budget(before)
+    np.testing.assert_array_equal(r16.grad_weight, r32.grad_weight.astype(np.float16))
+
+
 def test_linear_cross_entropy_small_workspace_budget():
     """A budget that holds only a few rows forces many chunks; the results do not change."""
     rng = np.random.default_rng(8)
