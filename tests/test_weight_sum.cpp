@@ -207,6 +207,35 @@ TEST_P(KeptWeightSum, RoundingReadsTheTailOnly) {
   EXPECT_TRUE(close_to(rounds[0], c.reference().grad_weight, tolerance(dtype())));
 }
 
+// On the CPU a bf16/f16 grad_weight is otherwise summed in an f32 copy counted in the workspace
+// budget: a budget smaller than that copy is refused, naming it and the way around it, and the
+// same call with a tail of the caller's runs within the budget.
+TEST_P(KeptWeightSum, TailServesWhereTheBudgetCannotHoldTheSum) {
+  if (device() != Device::cpu) GTEST_SKIP() << "the CPU's accumulator";
+  if (dtype() != LMLOSS_BF16 && dtype() != LMLOSS_F16) GTEST_SKIP() << "a kept f32 sum is for a 16-bit grad_weight";
+  Generator gen(5103);
+  const int64_t vocab = 4099, hidden = 64;  // the f32 sum: 1 MiB
+  const reference::Problem p = rounded(gen.problem({.n_tokens = 32, .vocab = vocab, .hidden = hidden}), dtype());
+  LossSetup s;
+  s.device = device();
+  s.dtype = dtype();
+  s.grad_dtype = dtype();
+  LossCase c(p, lmloss_loss_options_default(), s);
+  ctx.set_workspace_budget(256 * 1024);
+  EXPECT_EQ(c.forward_backward(ctx.get()), LMLOSS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(lmloss_last_error()).find("options.grad_weight_sum_tail"), std::string::npos)
+      << lmloss_last_error();
+  Buffer tail(device(), LMLOSS_F32, 2, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab), hidden);
+  c.options.grad_weight_sum_tail = tail.tensor();
+  ctx.reset_peak_workspace();
+  ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_LE(ctx.peak_workspace(), ctx.workspace_budget());
+  const lmloss_tensor grad_t = c.grad_weight.tensor(), tail_t = tail.tensor();
+  ASSERT_EQ(lmloss_round_grad_weight(ctx.get(), &grad_t, &tail_t, nullptr), LMLOSS_SUCCESS) << lmloss_last_error();
+  c.grad_weight.download();
+  EXPECT_TRUE(close_to(c.grad_weight.values(), c.reference().grad_weight, tolerance(dtype())));
+}
+
 INSTANTIATE_TEST_SUITE_P(, KeptWeightSum,
                          ::testing::Combine(all_devices, ::testing::Values(LMLOSS_BF16, LMLOSS_F16)), ParamName{});
 

@@ -179,11 +179,12 @@ Plan plan_head(const lmloss_context& context, bool linear, int64_t n_tokens, int
   return plan;
 }
 
-lmloss_status budget_error(const lmloss_context& context, const Plan& plan) {
+// `held_for`: what, besides the logits, the call holds throughout (named when it is most of it).
+lmloss_status budget_error(const lmloss_context& context, const Plan& plan, const std::string& held_for = "") {
   return core::fail(LMLOSS_ERROR_INVALID_ARGUMENT,
                     "context workspace budget: " + std::to_string(context.workspace_budget) +
                         " bytes hold not even one row of logits; this problem needs at least " +
-                        std::to_string(plan.fixed_bytes + plan.bytes_per_row) + " bytes");
+                        std::to_string(plan.fixed_bytes + plan.bytes_per_row) + " bytes" + held_for);
 }
 
 // ---- Producing a chunk of logits -----------------------------------------------------------
@@ -633,7 +634,16 @@ class CpuBackend final : public core::Backend {
       }
     }
     const Plan plan = plan_loss(context, call);
-    if (plan.chunk_rows == 0) return budget_error(context, plan);
+    if (plan.chunk_rows == 0) {
+      const lmloss_tensor& gw = call.grads.grad_weight;
+      const bool f32_sum = call.wants_grads() && gw.data && gw.dtype != call.compute_dtype &&
+                           !call.options.grad_weight_sum_tail.data;
+      return budget_error(context, plan,
+                          f32_sum ? ", " + std::to_string(size_t(call.vocab) * size_t(call.hidden) * 4) +
+                                        " of them the f32 sum of the bf16/f16 grads.grad_weight (which "
+                                        "options.grad_weight_sum_tail keeps in the caller's memory instead)"
+                                  : "");
+    }
     return LMLOSS_SUCCESS;
   }
 
