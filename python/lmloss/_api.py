@@ -367,6 +367,12 @@ def _data_address(a) -> int:
     return a.data_ptr() if hasattr(a, "data_ptr") else a.__array_interface__["data"][0]
 
 
+def weight_sum_tail_rows(vocab: int) -> int:
+    """LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS: the rows of a 16-bit grad_weight's kept float32 sum
+    beyond the half its own bytes hold."""
+    return vocab - vocab // 16 * 8
+
+
 def _weight_sum_buffers(x: Array, shape, dtype: str):
     """A 16-bit grad_weight and the float32 tail of its kept sum (the library's
     grad_weight_sum_tail): the sum is summed over the gradient's own bytes (its first half of rows,
@@ -375,7 +381,7 @@ def _weight_sum_buffers(x: Array, shape, dtype: str):
     allocator right after one block of both sizes is given back, which places the tail where the
     gradient's bytes end: the sum is then one float32 matrix (one product a chunk)."""
     vocab, hidden = shape
-    least = vocab - vocab // 16 * 8  # LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS
+    least = weight_sum_tail_rows(vocab)
     if x.device >= 0 and 2 * least == vocab:
         empty(x, (vocab * hidden,), "float32")  # given back at once
     g_weight = empty(x, shape, dtype)

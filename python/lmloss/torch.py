@@ -82,11 +82,6 @@ def _keeps_weight_sum(weight: Optional[Tensor], want_weight: bool) -> bool:
     return weight is not None and want_weight and weight.dtype in _LOW_PRECISION
 
 
-def _weight_sum_tail_rows(vocab: int) -> int:
-    """LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS: the rows of the float32 sum beyond grad_weight's bytes."""
-    return vocab - vocab // 16 * 8
-
-
 def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias,
                   keep_weight_sum=False):
     """(grad_logits, grad_hidden, grad_weight, grad_bias, grad_weight_sum_tail); an empty tensor
@@ -120,9 +115,11 @@ def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
     and the sum's tail. On CUDA with a vocabulary of a multiple of 16, the two are taken from
     PyTorch's caching allocator right after one block of both sizes is given back to it, which
     splits that block and places the tail where the gradient's bytes end: the sum is then one
-    float32 matrix, which each token chunk's product fills at once (else two products a chunk)."""
+    float32 matrix, which each token chunk's product fills at once (else two products a chunk).
+    As _api._weight_sum_buffers does for the array functions, on tensors that may be fake here
+    (traced): always aligned, never asked for their address."""
     vocab, hidden = weight.shape
-    tail_rows = _weight_sum_tail_rows(vocab)
+    tail_rows = _api.weight_sum_tail_rows(vocab)
     if weight.device.type == "cuda" and 2 * tail_rows == vocab and not torch.compiler.is_compiling():
         torch.empty(vocab * hidden, dtype=torch.float32, device=weight.device)  # freed at once
     g_weight = _empty_like_shape(weight, weight.shape, weight.dtype)
