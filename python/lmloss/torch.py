@@ -127,14 +127,18 @@ def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
     return g_weight, tail
 
 
-@torch.library.custom_op("lmloss::round_grad_weight", mutates_args=("grad_weight",))
-def _round_grad_weight(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> None:
+def _round_grad_weight_impl(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> None:
     """lmloss_round_grad_weight: grad_weight = its kept float32 sum (with the tail) times scale
-    (None: 1), rounded once into its own dtype, in place. A custom op that says it writes
-    grad_weight, so that a traced backward may call it on a tensor saved from forward (Inductor
-    then runs it on that tensor's memory, which the backward donates)."""
+    (None: 1), rounded once into its own dtype, in place."""
     _api.invoke_round_grad_weight(_device(None, grad_weight), grad_weight=grad_weight, tail=tail,
                                   scale=scale)
+
+
+# The same as a custom op that says it writes grad_weight, so that a traced backward may call it
+# on a tensor saved from forward (Inductor then runs it on that tensor's memory, which the
+# backward donates).
+_round_grad_weight = torch.library.custom_op(
+    "lmloss::round_grad_weight", mutates_args=("grad_weight",))(_round_grad_weight_impl)
 
 
 @_round_grad_weight.register_fake
@@ -143,10 +147,14 @@ def _(grad_weight, tail, scale):
 
 
 def _round_weight_sum(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> Tensor:
-    """grad_weight, its kept float32 sum rounded once into it, times scale (None: 1)."""
+    """grad_weight, its kept float32 sum rounded once into it, times scale (None: 1). Eagerly the
+    library is called directly: the custom op's Python dispatch is host time in every backward."""
     if scale is not None:
         scale = scale.reshape(()).to(torch.float32).contiguous()
-    _round_grad_weight(grad_weight, tail, scale)
+    if torch.compiler.is_compiling():
+        _round_grad_weight(grad_weight, tail, scale)
+    else:
+        _round_grad_weight_impl(grad_weight, tail, scale)
     return grad_weight
 
 
