@@ -120,7 +120,8 @@ def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
     (traced): always aligned, never asked for their address."""
     vocab, hidden = weight.shape
     tail_rows = _api.weight_sum_tail_rows(vocab)
-    if weight.device.type == "cuda" and 2 * tail_rows == vocab and not torch.compiler.is_compiling():
+    traced = torch.compiler.is_compiling()
+    if weight.device.type == "cuda" and 2 * tail_rows == vocab and not traced:
         torch.empty(vocab * hidden, dtype=torch.float32, device=weight.device)  # freed at once
     g_weight = _empty_like_shape(weight, weight.shape, weight.dtype)
     tail = _empty_like_shape(weight, (tail_rows, hidden), torch.float32)

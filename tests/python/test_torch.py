@@ -196,10 +196,11 @@ def test_plain_api_grad_weight_dtype_errors():
 
 @pytest.mark.parametrize("device", ARRAY_DEVICES)
 def test_bf16_weight_gradient_is_its_f32_sum_rounded_once(device, monkeypatch):
-    """Eagerly, a bf16 head's weight gradient is summed in float32 over its own bytes and a tail
-    and rounded once in backward, times the upstream gradient: within an ulp, in at most 1% of
-    elements, of the float32-tensor path (a traced graph's) rounded once, and within
-    ROUNDED_ONCE_RATIO of float64 rounded once; so too on reduction "none"'s recomputing backward."""
+    """A bf16 head's weight gradient is summed in float32 over its own bytes and a tail and
+    rounded once in backward, times the upstream gradient: within an ulp, in at most 1% of
+    elements, of the float32-tensor path (_KEEP_WEIGHT_SUM off) rounded once, and within
+    ROUNDED_ONCE_RATIO of float64 rounded once; so too on reduction "none"'s recomputing
+    backward."""
     n, h, v = 2048, 64, 1000
     g = torch.Generator().manual_seed(4)
     x = torch.randn(n, h, generator=g).bfloat16().to(device)
@@ -216,7 +217,8 @@ def test_bf16_weight_gradient_is_its_f32_sum_rounded_once(device, monkeypatch):
     before = lmloss.workspace_budget()
     lmloss.set_workspace_budget(v * 4 * 256)  # f32 logits chunks of at most 256 rows: 8 or more
     try:
-        kept, wide, per_token = weight_grad(True, "mean"), weight_grad(False, "mean"), weight_grad(True, "none")
+        kept, wide = weight_grad(True, "mean"), weight_grad(False, "mean")
+        per_token = weight_grad(True, "none")
     finally:
         lmloss.set_workspace_budget(before)
     assert kept.dtype == torch.bfloat16 and kept.shape == w.shape and kept.is_contiguous()
@@ -228,7 +230,8 @@ def test_bf16_weight_gradient_is_its_f32_sum_rounded_once(device, monkeypatch):
     ref = 0.75 * (p.T @ xd)
     for what, ours, want in (("mean", kept, ref / n), ("none", per_token, ref)):
         e, once = err(ours, want), err(want.bfloat16(), want)
-        assert e <= ROUNDED_ONCE_RATIO * once, f"{what}: {e:.3g} against {once:.3g} for float64 rounded once"
+        assert e <= ROUNDED_ONCE_RATIO * once, \
+            f"{what}: {e:.3g} against {once:.3g} for float64 rounded once"
 
 
 def test_second_backward_through_a_16_bit_head_is_refused():
@@ -496,7 +499,8 @@ def test_cuda_weight_sum_is_one_matrix_where_the_vocabulary_allows():
         w = torch.empty(vocab, 512, dtype=torch.bfloat16, device="cuda")
         g_weight, tail = lt._weight_sum_buffers(w)
         assert g_weight.dtype == torch.bfloat16 and g_weight.shape == w.shape
-        assert tail.shape == (lmloss._api.weight_sum_tail_rows(vocab), 512) and tail.dtype == torch.float32
+        assert tail.shape == (lmloss._api.weight_sum_tail_rows(vocab), 512)
+        assert tail.dtype == torch.float32
         if adjacent:
             assert tail.data_ptr() == g_weight.data_ptr() + g_weight.nbytes
 
