@@ -88,6 +88,17 @@ struct WeightSumCall {
   int32_t device_index = 0;
 };
 
+// How many of a 16-bit grad_weight's rows an f32 sum the library makes for itself holds over the
+// gradient's own bytes (LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS's split: half the vocabulary, a multiple of
+// 8 rows, which keeps the tail's columns of a gradient chunk on 16 bytes), where its rows are dense
+// and 16-byte aligned (the bytes between strided rows may be another tensor's); 0 elsewhere. The
+// rest goes in a tail of workspace.
+inline int64_t weight_sum_rows_in_place(const lmloss_tensor& grad_weight, int64_t vocab, int64_t hidden) {
+  const int64_t stride = grad_weight.stride != 0 ? grad_weight.stride : hidden;
+  const bool dense = stride == hidden && reinterpret_cast<uintptr_t>(grad_weight.data) % 16 == 0;
+  return dense ? vocab / 16 * 8 : 0;
+}
+
 // Per-context state a backend keeps (handles, cached plans, device buffers). Owned by the
 // context, destroyed with it.
 class BackendState {

@@ -187,6 +187,59 @@ lmloss_status budget_error(const lmloss_context& context, const Plan& plan, cons
                         std::to_string(plan.fixed_bytes + plan.bytes_per_row) + " bytes" + held_for);
 }
 
+// grad_weight = round(sum * scale), the sum's rows [0, split) over grad_weight's own bytes and
+// the rest in the tail. Row u's 16-bit values go over f32 row u / 2, so rows [a, 2a) can be
+// narrowed together once rows below a are (row 0, whose values go over its own, through a copy).
+void round_weight_sum(const WeightSumCall& call, int threads) {
+  const float scale = call.scale.data ? *static_cast<const float*>(call.scale.data) : 1.0f;
+  const int64_t hidden = call.hidden;
+  const lmloss_tensor& out = call.grad_weight;
+  auto* bytes = static_cast<char*>(out.data);
+  auto narrow = [&](const float* in, int64_t row) {
+    void* dst = core::row_ptr_mut(out, row);
+    for (int64_t j = 0; j < hidden; ++j) core::store_float<float>(dst, out.dtype, j, in[j] * scale);
+  };
+  if (call.split > 0) {
+    std::vector<float> first(reinterpret_cast<const float*>(bytes), reinterpret_cast<const float*>(bytes) + hidden);
+    narrow(first.data(), 0);
+  }
+  for (int64_t a = 1; a < call.split; a *= 2) {
+    const int64_t b = std::min(2 * a, call.split);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = a; r < b; ++r) narrow(reinterpret_cast<const float*>(bytes + r * hidden * int64_t(sizeof(float))), r);
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = call.split; r < call.vocab; ++r)
+    narrow(static_cast<const float*>(core::row_ptr(call.tail, r - call.split)), r);
+}
+
+
+// The caller's 16-bit grad_weight as the start of its f32 sum (an added-to call): the rows from
+// split into the tail, then the rows in place widened over their own bytes, downwards. f32 row u
+// goes over 16-bit rows 2u and 2u + 1, which the tail or a higher wave has read by then, so rows
+// [a, 2a) widen together (row 0, whose values its own f32 values go over, through a copy).
+void widen_weight_sum(const lmloss_tensor& grad_weight, int64_t split, int64_t vocab, int64_t hidden,
+                      const lmloss_tensor& tail) {
+  auto widen = [&](const void* in, float* out) {
+    for (int64_t j = 0; j < hidden; ++j) out[j] = core::load_float<float>(in, grad_weight.dtype, j);
+  };
+  for (int64_t r = split; r < vocab; ++r)
+    widen(core::row_ptr(grad_weight, r), static_cast<float*>(core::row_ptr_mut(tail, r - split)));
+  auto* wide = static_cast<float*>(grad_weight.data);
+  int64_t a = 1;
+  while (2 * a < split) a *= 2;
+  for (; a >= 1 && split > 1; a /= 2) {
+    const int64_t b = std::min(2 * a, split);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = a; r < b; ++r) widen(core::row_ptr(grad_weight, r), wide + r * hidden);
+  }
+  if (split > 0) {
+    std::vector<float> first(static_cast<size_t>(hidden));
+    widen(grad_weight.data, first.data());
+    std::copy(first.begin(), first.end(), wide);
+  }
+}
+
 // ---- Producing a chunk of logits -----------------------------------------------------------
 
 // Forms Z (rows, vocab) of type C for token rows [row0, row0 + rows): the caller's logits
@@ -368,11 +421,20 @@ class LossRunner {
     // Gradient buffers in the compute type, where the caller's are of another dtype.
     const bool dx_direct = g.grad_hidden.data && is_compute_type<C>(g.grad_hidden);
     const bool dw_direct = g.grad_weight.data && is_compute_type<C>(g.grad_weight);
-    // A kept f32 sum (options.grad_weight_sum_tail): rows [0, split) over grad_weight's own bytes.
-    const bool dw_kept = g.grad_weight.data && call.options.grad_weight_sum_tail.data;
-    Workspace<C> dx, dw, db;
+    // A 16-bit dW's f32 sum: rows [0, split) over grad_weight's own bytes, the rest in a tail, the
+    // caller's (options.grad_weight_sum_tail: kept, left unrounded) or the call's own (rounded once
+    // at the end; the caller's values widened first when the call adds to them).
+    const bool dw_sum = wants_grads && g.grad_weight.data && !dw_direct;
+    const bool dw_kept = dw_sum && call.options.grad_weight_sum_tail.data;
+    Workspace<C> dx, own_tail, db;
+    lmloss_tensor sum_tail = call.options.grad_weight_sum_tail;
+    const int64_t split = dw_kept ? call.weight_sum_split : core::weight_sum_rows_in_place(g.grad_weight, vocab, hidden);
+    if (dw_sum && !dw_kept) {
+      own_tail = Workspace<C>(context_, size_t(vocab - split) * size_t(hidden));
+      sum_tail = lmloss_tensor_2d(own_tail.get(), LMLOSS_F32, vocab - split, hidden, 0);
+      if (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT) widen_weight_sum(g.grad_weight, split, vocab, hidden, sum_tail);
+    }
     if (wants_grads && g.grad_hidden.data && !dx_direct) dx = Workspace<C>(context_, size_t(plan_.chunk_rows) * size_t(hidden));
-    if (wants_grads && g.grad_weight.data && !dw_direct && !dw_kept) dw = Workspace<C>(context_, size_t(vocab) * size_t(hidden));
     if (wants_grads && g.grad_bias.data) {
       db = Workspace<C>(context_, size_t(vocab));
       std::fill(db.get(), db.get() + vocab, C(0));
@@ -401,33 +463,34 @@ class LossRunner {
         }
       }
       if (g.grad_weight.data) {
-        const bool first = row0 == 0;
-        const bool accumulate_caller = (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT) != 0;
+        const bool add = row0 > 0 || (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT) != 0;
+        const C beta = add ? C(1) : C(0);
         if (dw_direct) {
-          chunks.grad_weight(rows, z.get(), first && !accumulate_caller ? C(0) : C(1), static_cast<C*>(g.grad_weight.data), core::row_stride(g.grad_weight));
-        } else if (dw_kept) {
-          if constexpr (std::is_same_v<C, float>) {  // 16-bit inputs, so f32 compute
-            const C beta = first && !accumulate_caller ? C(0) : C(1);
-            const lmloss_tensor& tail = call.options.grad_weight_sum_tail;
-            auto* in_place = static_cast<C*>(g.grad_weight.data);
-            const int64_t split = call.weight_sum_split;
-            if (tail.data == in_place + split * hidden && core::row_stride(tail) == hidden) {  // one matrix
-              chunks.grad_weight_rows(0, vocab, rows, z.get(), beta, in_place, hidden);
-            } else {
-              chunks.grad_weight_rows(0, split, rows, z.get(), beta, in_place, hidden);
-              chunks.grad_weight_rows(split, vocab, rows, z.get(), beta, static_cast<C*>(tail.data), core::row_stride(tail));
-            }
+          chunks.grad_weight(rows, z.get(), beta, static_cast<C*>(g.grad_weight.data), core::row_stride(g.grad_weight));
+        } else if constexpr (std::is_same_v<C, float>) {  // a 16-bit dW: 16-bit inputs, f32 compute
+          auto* in_place = static_cast<C*>(g.grad_weight.data);
+          if (sum_tail.data == in_place + split * hidden && core::row_stride(sum_tail) == hidden) {  // one matrix
+            chunks.grad_weight_rows(0, vocab, rows, z.get(), beta, in_place, hidden);
+          } else {
+            chunks.grad_weight_rows(0, split, rows, z.get(), beta, in_place, hidden);
+            chunks.grad_weight_rows(split, vocab, rows, z.get(), beta, static_cast<C*>(sum_tail.data), core::row_stride(sum_tail));
           }
-        } else
-          chunks.grad_weight(rows, z.get(), first ? C(0) : C(1), dw.get(), hidden);
+        }
       }
       if (g.grad_bias.data) add_column_sums(rows, z.get(), db.get());
     }
 
     if (call.wants_loss() && call.options.reduction != LMLOSS_REDUCTION_NONE)
       *static_cast<C*>(call.loss.data) = C(loss_sum * inv_divisor_);
-    if (wants_grads && g.grad_weight.data && !dw_direct && !dw_kept)
-      finish_accumulator(g.grad_weight, dw.get(), vocab, hidden, (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT) != 0);
+    if (dw_sum && !dw_kept) {
+      WeightSumCall round;
+      round.grad_weight = g.grad_weight;
+      round.tail = sum_tail;
+      round.vocab = vocab;
+      round.hidden = hidden;
+      round.split = split;
+      round_weight_sum(round, threads_);
+    }
     if (wants_grads && g.grad_bias.data)
       finish_accumulator(g.grad_bias, db.get(), 1, vocab, (call.options.flags & LMLOSS_ACCUMULATE_GRAD_BIAS) != 0);
     return core::succeed();
@@ -638,10 +701,11 @@ class CpuBackend final : public core::Backend {
       const lmloss_tensor& gw = call.grads.grad_weight;
       const bool f32_sum = call.wants_grads() && gw.data && gw.dtype != call.compute_dtype &&
                            !call.options.grad_weight_sum_tail.data;
+      const int64_t tail_rows = call.vocab - core::weight_sum_rows_in_place(gw, call.vocab, call.hidden);
       return budget_error(context, plan,
-                          f32_sum ? ", " + std::to_string(size_t(call.vocab) * size_t(call.hidden) * 4) +
-                                        " of them the f32 sum of the bf16/f16 grads.grad_weight (which "
-                                        "options.grad_weight_sum_tail keeps in the caller's memory instead)"
+                          f32_sum ? ", " + std::to_string(size_t(tail_rows) * size_t(call.hidden) * 4) +
+                                        " of them the f32 sum of the bf16/f16 grads.grad_weight beyond its own "
+                                        "bytes (which options.grad_weight_sum_tail keeps in the caller's memory instead)"
                                   : "");
     }
     return LMLOSS_SUCCESS;
@@ -694,32 +758,6 @@ class CpuBackend final : public core::Backend {
     }
   }
 
-  // grad_weight = round(sum * scale), the sum's rows [0, split) over grad_weight's own bytes and
-  // the rest in the tail. Row u's 16-bit values go over f32 row u / 2, so rows [a, 2a) can be
-  // narrowed together once rows below a are (row 0, whose values go over its own, through a copy).
-  static void round_weight_sum(const WeightSumCall& call, int threads) {
-    const float scale = call.scale.data ? *static_cast<const float*>(call.scale.data) : 1.0f;
-    const int64_t hidden = call.hidden;
-    const lmloss_tensor& out = call.grad_weight;
-    auto* bytes = static_cast<char*>(out.data);
-    auto narrow = [&](const float* in, int64_t row) {
-      void* dst = core::row_ptr_mut(out, row);
-      for (int64_t j = 0; j < hidden; ++j) core::store_float<float>(dst, out.dtype, j, in[j] * scale);
-    };
-    if (call.split > 0) {
-      std::vector<float> first(reinterpret_cast<const float*>(bytes), reinterpret_cast<const float*>(bytes) + hidden);
-      narrow(first.data(), 0);
-    }
-    for (int64_t a = 1; a < call.split; a *= 2) {
-      const int64_t b = std::min(2 * a, call.split);
-#pragma omp parallel for num_threads(threads) schedule(static)
-      for (int64_t r = a; r < b; ++r) narrow(reinterpret_cast<const float*>(bytes + r * hidden * int64_t(sizeof(float))), r);
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = call.split; r < call.vocab; ++r)
-      narrow(static_cast<const float*>(core::row_ptr(call.tail, r - call.split)), r);
-  }
-
   static void set_blas_threads(const lmloss_context& context) {
     if (context.num_threads > 0) openblas_set_num_threads(context.num_threads);
   }
@@ -735,7 +773,8 @@ class CpuBackend final : public core::Backend {
     if (call.wants_grads()) {
       if (g.grad_hidden.data && g.grad_hidden.dtype != c) per_row += size_t(call.hidden) * s;
       if (g.grad_weight.data && g.grad_weight.dtype != c && !call.options.grad_weight_sum_tail.data)
-        fixed += size_t(call.vocab) * size_t(call.hidden) * s;
+        fixed += size_t(call.vocab - core::weight_sum_rows_in_place(g.grad_weight, call.vocab, call.hidden)) *
+                 size_t(call.hidden) * s;
       if (g.grad_bias.data) fixed += size_t(call.vocab) * s;
     }
     return f64 ? plan_head<double>(context, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row)

@@ -9,7 +9,7 @@
 //               (plan_separate_grad); f16 gradients are stored times S (see CallScalars)
 //   dX_chunk (rows, hidden) = G W / S                          cuBLASLt
 //   dW (vocab, hidden)     += G^T X_chunk / S                  cuBLASLt, beta 1 after the first chunk
-//                              (16-bit: in f32 on request, rounded once: weight_grad_rows_in_place)
+//                              (16-bit: in f32 on request, rounded once: core::weight_sum_rows_in_place)
 //   db (vocab)             += column sums of G / S, rows in order
 // A forward (without a teacher) or fused call of a 16-bit linear head without bias or
 // soft-capping, on an sm_90 device, takes each chunk's statistics in the product's epilogue
@@ -214,18 +214,6 @@ class Workspace {
   void* base_ = nullptr;
   size_t bytes_ = 0;
 };
-
-// With LMLOSS_SUM_GRAD_WEIGHT_IN_F32, a bf16/f16 dW of a linear head is summed in f32 over the
-// chunks and rounded once at the end, as on the CPU, without an f32 copy of all of it: its first
-// rows (half the vocabulary, where the caller's rows are dense and 16-byte aligned: the bytes
-// between strided rows may be another tensor's) are summed over the caller's own bytes (see
-// launch_regroup_rows), the rest in a dense f32 tail of workspace, (vocab - rows) x hidden x 4
-// bytes taken for the call beyond the budget (as an f32 dW of the caller's would be).
-int64_t weight_grad_rows_in_place(const lmloss_tensor& grad_weight, int64_t vocab, int64_t hidden) {
-  const bool dense = row_stride(grad_weight) == hidden && reinterpret_cast<uintptr_t>(grad_weight.data) % 16 == 0;
-  // Multiples of 8 rows keep the tail's columns of the gradient chunk on 16 bytes.
-  return dense ? vocab / 2 / 8 * 8 : 0;
-}
 
 // A 16-bit dW (row stride ld) = round(sum * scale), rounded once from the f32 sum's rows [0, split)
 // over its own bytes (dense there: ld = hidden) and the rest in `tail`: the rows in place first,
@@ -970,9 +958,12 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   const int64_t x_ld = call.linear ? row_stride(call.head.hidden) : 0;
   const int64_t in_size = int64_t(core::dtype_size(call.input_dtype));
 
-  // dW's rows as the products and the label term add to them: a 16-bit dW summed in f32 in place
-  // and in its tail (see weight_grad_rows_in_place), widened first when the call adds to it; or
-  // the caller's kept sum, in place and in the caller's tail, left unrounded.
+  // dW's rows as the products and the label term add to them. With LMLOSS_SUM_GRAD_WEIGHT_IN_F32,
+  // a 16-bit dW summed in f32 over its own bytes (see launch_regroup_rows) and a dense f32 tail of
+  // workspace, (vocab - rows) x hidden x 4 bytes taken for the call beyond the budget (as an f32 dW
+  // of the caller's would be; core::weight_sum_rows_in_place), widened first when the call adds to
+  // it and rounded once at the end, as on the CPU; or the caller's kept sum, in place and in the
+  // caller's tail, left unrounded.
   const lmloss_tensor& kept_tail = o.grad_weight_sum_tail;
   const bool kept_dw = call.linear && grads && g.grad_weight.data && kept_tail.data;
   const bool wide_dw = kept_dw || (call.linear && grads && g.grad_weight.data && g.grad_weight.dtype != LMLOSS_F32 &&
@@ -995,7 +986,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       dw.tail = nullptr;
     }
   } else if (wide_dw) {
-    dw.split = weight_grad_rows_in_place(g.grad_weight, call.vocab, call.hidden);
+    dw.split = core::weight_sum_rows_in_place(g.grad_weight, call.vocab, call.hidden);
     dw.tail_ld = call.hidden;
     dw.dtype = LMLOSS_F32;
     LMLOSS_CHECK(dw_tail.acquire(sizeof(float) * size_t(call.vocab - dw.split) * size_t(call.hidden)));
