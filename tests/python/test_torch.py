@@ -234,6 +234,18 @@ def test_bf16_weight_gradient_is_its_f32_sum_rounded_once(device, monkeypatch):
             f"{what}: {e:.3g} against {once:.3g} for float64 rounded once"
 
 
+def test_bf16_weight_gradient_accumulates_over_micro_batches():
+    # The first backward's gradient (rounded in place over its own sum) becomes weight.grad, and
+    # the second's is added to it: the gradient of both micro-batches.
+    x, w, b, y = linear_inputs(dtype=torch.bfloat16, batch=(4, 16), v=300, h=16)
+    lt.linear_cross_entropy(x[:2], w, y[:2]).backward()
+    lt.linear_cross_entropy(x[2:], w, y[2:]).backward()
+    xr, wr = leaf(x), leaf(w)
+    (naive_loss(xr[:2], wr, None, y[:2]) + naive_loss(xr[2:], wr, None, y[2:])).backward()
+    assert w.grad.dtype == torch.bfloat16
+    assert_close(w.grad, wr.grad, "bfloat16", "weight gradient over two micro-batches")
+
+
 def test_second_backward_through_a_16_bit_head_is_refused():
     # The first backward rounds the float32 sum in place; a second cannot take it again and says so.
     x, w, b, y = linear_inputs(dtype=torch.bfloat16)
