@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -373,16 +374,30 @@ def weight_sum_tail_rows(vocab: int) -> int:
     return vocab - vocab // 16 * 8
 
 
+def weight_sum_placed_together(vocab: int, on_cuda: bool) -> bool:
+    """Whether a 16-bit grad_weight and its kept sum's tail are asked of PyTorch's caching
+    allocator right after one block of both sizes is given back to it, so that the tail lands where
+    the gradient's bytes end (the sum then one float32 matrix: one product a chunk). Only on CUDA,
+    for a vocabulary of a multiple of 16 (the two halves equal), and not with max_split_size_mb
+    set: the allocator then keeps such a block whole for requests of its size and would map two
+    new ones instead."""
+    if not on_cuda or 2 * weight_sum_tail_rows(vocab) != vocab:
+        return False
+    settings = [os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")]
+    return not any("max_split_size" in s for s in settings)
+
+
 def _weight_sum_buffers(x: Array, shape, dtype: str):
     """A 16-bit grad_weight and the float32 tail of its kept sum (the library's
     grad_weight_sum_tail): the sum is summed over the gradient's own bytes (its first half of rows,
     when they are 16-byte aligned) and the tail, and rounded once into the gradient after the
     call. On CUDA with a vocabulary of a multiple of 16, the two are taken from PyTorch's caching
     allocator right after one block of both sizes is given back, which places the tail where the
-    gradient's bytes end: the sum is then one float32 matrix (one product a chunk)."""
+    gradient's bytes end: the sum is then one float32 matrix (one product a chunk; see
+    weight_sum_placed_together)."""
     vocab, hidden = shape
     least = weight_sum_tail_rows(vocab)
-    if x.device >= 0 and 2 * least == vocab:
+    if weight_sum_placed_together(vocab, x.device >= 0):
         empty(x, (vocab * hidden,), "float32")  # given back at once
     g_weight = empty(x, shape, dtype)
     tail_rows = least if _data_address(g_weight) % 16 == 0 else vocab

@@ -112,16 +112,14 @@ def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_w
 
 def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
     """A 16-bit weight's gradient, over whose bytes the first rows of its float32 sum are held,
-    and the sum's tail. On CUDA with a vocabulary of a multiple of 16, the two are taken from
-    PyTorch's caching allocator right after one block of both sizes is given back to it, which
-    splits that block and places the tail where the gradient's bytes end: the sum is then one
-    float32 matrix, which each token chunk's product fills at once (else two products a chunk).
-    As _api._weight_sum_buffers does for the array functions, on tensors that may be fake here
-    (traced): always aligned, never asked for their address."""
+    and the sum's tail, placed one after the other where _api.weight_sum_placed_together says
+    (the sum then one float32 matrix, which each token chunk's product fills at once; else two
+    products a chunk). As _api._weight_sum_buffers does for the array functions, on tensors that
+    may be fake here (traced): always aligned, never asked for their address."""
     vocab, hidden = weight.shape
     tail_rows = _api.weight_sum_tail_rows(vocab)
     traced = torch.compiler.is_compiling()
-    if weight.device.type == "cuda" and 2 * tail_rows == vocab and not traced:
+    if _api.weight_sum_placed_together(vocab, weight.device.type == "cuda") and not traced:
         torch.empty(vocab * hidden, dtype=torch.float32, device=weight.device)  # freed at once
     g_weight = _empty_like_shape(weight, weight.shape, weight.dtype)
     tail = _empty_like_shape(weight, (tail_rows, hidden), torch.float32)

@@ -504,10 +504,20 @@ def test_cuda_weight_gradient_cast_without_a_full_size_temporary(keep, monkeypat
     assert_close(x.grad, xr.grad, "bfloat16", "hidden gradient")
 
 
+def test_weight_sum_placed_together_only_where_the_allocator_splits_its_block(monkeypatch):
+    place = lmloss._api.weight_sum_placed_together
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert place(32768, True) and not place(32760, True) and not place(32768, False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:512")
+    assert not place(32768, True)
+
+
 @needs_cuda
 def test_cuda_weight_sum_is_one_matrix_where_the_vocabulary_allows():
     # The tail placed where the gradient's bytes end (one product a chunk); else apart (two).
-    for vocab, adjacent in ((32768, True), (32760, False)):
+    for vocab in (32768, 32760):
+        adjacent = lmloss._api.weight_sum_placed_together(vocab, True)
         w = torch.empty(vocab, 512, dtype=torch.bfloat16, device="cuda")
         g_weight, tail = lt._weight_sum_buffers(w)
         assert g_weight.dtype == torch.bfloat16 and g_weight.shape == w.shape
