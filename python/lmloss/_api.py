@@ -383,8 +383,8 @@ def weight_sum_placed_together(vocab: int, on_cuda: bool) -> bool:
     new ones instead."""
     if not on_cuda or 2 * weight_sum_tail_rows(vocab) != vocab:
         return False
-    settings = [os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")]
-    return not any("max_split_size" in s for s in settings)
+    names = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    return not any("max_split_size" in os.environ.get(name, "") for name in names)
 
 
 def _weight_sum_buffers(x: Array, shape, dtype: str):
