@@ -213,16 +213,16 @@ void round_weight_sum(const WeightSumCall& call, int threads) {
     narrow(static_cast<const float*>(core::row_ptr(call.tail, r - call.split)), r);
 }
 
-
 // The caller's 16-bit grad_weight as the start of its f32 sum (an added-to call): the rows from
 // split into the tail, then the rows in place widened over their own bytes, downwards. f32 row u
 // goes over 16-bit rows 2u and 2u + 1, which the tail or a higher wave has read by then, so rows
 // [a, 2a) widen together (row 0, whose values its own f32 values go over, through a copy).
 void widen_weight_sum(const lmloss_tensor& grad_weight, int64_t split, int64_t vocab, int64_t hidden,
-                      const lmloss_tensor& tail) {
+                      const lmloss_tensor& tail, int threads) {
   auto widen = [&](const void* in, float* out) {
     for (int64_t j = 0; j < hidden; ++j) out[j] = core::load_float<float>(in, grad_weight.dtype, j);
   };
+#pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t r = split; r < vocab; ++r)
     widen(core::row_ptr(grad_weight, r), static_cast<float*>(core::row_ptr_mut(tail, r - split)));
   auto* wide = static_cast<float*>(grad_weight.data);
@@ -230,7 +230,7 @@ void widen_weight_sum(const lmloss_tensor& grad_weight, int64_t split, int64_t v
   while (2 * a < split) a *= 2;
   for (; a >= 1 && split > 1; a /= 2) {
     const int64_t b = std::min(2 * a, split);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = a; r < b; ++r) widen(core::row_ptr(grad_weight, r), wide + r * hidden);
   }
   if (split > 0) {
@@ -428,11 +428,14 @@ class LossRunner {
     const bool dw_kept = dw_sum && call.options.grad_weight_sum_tail.data;
     Workspace<C> dx, own_tail, db;
     lmloss_tensor sum_tail = call.options.grad_weight_sum_tail;
-    const int64_t split = dw_kept ? call.weight_sum_split : core::weight_sum_rows_in_place(g.grad_weight, vocab, hidden);
+    const int64_t split = !dw_sum  ? 0
+                          : dw_kept ? call.weight_sum_split
+                                    : core::weight_sum_rows_in_place(g.grad_weight, vocab, hidden);
     if (dw_sum && !dw_kept) {
       own_tail = Workspace<C>(context_, size_t(vocab - split) * size_t(hidden));
       sum_tail = lmloss_tensor_2d(own_tail.get(), LMLOSS_F32, vocab - split, hidden, 0);
-      if (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT) widen_weight_sum(g.grad_weight, split, vocab, hidden, sum_tail);
+      if (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT)
+        widen_weight_sum(g.grad_weight, split, vocab, hidden, sum_tail, threads_);
     }
     if (wants_grads && g.grad_hidden.data && !dx_direct) dx = Workspace<C>(context_, size_t(plan_.chunk_rows) * size_t(hidden));
     if (wants_grads && g.grad_bias.data) {
