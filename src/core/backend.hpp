@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "core/dtype.hpp"
 #include "lmloss/lmloss.h"
 
 namespace lmloss::core {
@@ -88,15 +89,26 @@ struct WeightSumCall {
   int32_t device_index = 0;
 };
 
+// Whether a 16-bit grad_weight's own bytes may hold rows of its f32 sum: its rows dense and
+// 16-byte aligned (the bytes between strided rows may be another tensor's).
+inline bool weight_sum_fits_in_place(const lmloss_tensor& grad_weight, int64_t hidden) {
+  return row_stride(grad_weight) == hidden && reinterpret_cast<uintptr_t>(grad_weight.data) % 16 == 0;
+}
+
 // How many of a 16-bit grad_weight's rows an f32 sum the library makes for itself holds over the
-// gradient's own bytes (LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS's split: half the vocabulary, a multiple of
-// 8 rows, which keeps the tail's columns of a gradient chunk on 16 bytes), where its rows are dense
-// and 16-byte aligned (the bytes between strided rows may be another tensor's); 0 elsewhere. The
-// rest goes in a tail of workspace.
+// gradient's own bytes: LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS's split (half the vocabulary, a multiple
+// of 8 rows, which keeps the tail's columns of a gradient chunk on 16 bytes) where they fit, else
+// 0. The rest goes in a tail of workspace.
 inline int64_t weight_sum_rows_in_place(const lmloss_tensor& grad_weight, int64_t vocab, int64_t hidden) {
-  const int64_t stride = grad_weight.stride != 0 ? grad_weight.stride : hidden;
-  const bool dense = stride == hidden && reinterpret_cast<uintptr_t>(grad_weight.data) % 16 == 0;
-  return dense ? vocab / 16 * 8 : 0;
+  return weight_sum_fits_in_place(grad_weight, hidden) ? vocab - LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab) : 0;
+}
+
+// Whether a sum's tail starts where its `split` rows in place end, with their row stride: then the
+// whole sum is one f32 (vocab, hidden) matrix at grad_weight's address, filled by one product.
+inline bool weight_sum_is_one_matrix(const lmloss_tensor& grad_weight, const lmloss_tensor& tail, int64_t split,
+                                     int64_t hidden) {
+  return split > 0 && row_stride(tail) == hidden &&
+         tail.data == static_cast<const char*>(grad_weight.data) + split * hidden * int64_t(sizeof(float));
 }
 
 // Per-context state a backend keeps (handles, cached plans, device buffers). Owned by the

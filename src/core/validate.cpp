@@ -191,7 +191,7 @@ lmloss_status check_weight_sum(const lmloss_tensor& grad_weight, const char* gra
     return invalid(grad_name, std::string("dtype ") + dtype_name(grad_weight.dtype) +
                                   ": a kept f32 sum is for a bf16 or f16 grad_weight (an f32 one is the sum itself)");
   LMLOSS_CHECK(expect_dtype(tail, tail_name, LMLOSS_F32, LMLOSS_F32, "f32"));
-  const int64_t least = vocab - vocab / 16 * 8;  // LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS
+  const int64_t least = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab);
   if (tail.ndim != 2 || tail.shape[1] != hidden || tail.shape[0] < vocab - vocab / 2 || tail.shape[0] > vocab)
     return invalid(tail_name, "expected shape (tail_rows, hidden = " + std::to_string(hidden) + ") with tail_rows in [" +
                                   std::to_string(vocab - vocab / 2) + ", vocab = " + std::to_string(vocab) + "] (" +
@@ -201,7 +201,7 @@ lmloss_status check_weight_sum(const lmloss_tensor& grad_weight, const char* gra
   if (split % 8 != 0)
     return invalid(tail_name, "vocab - tail_rows = " + std::to_string(split) +
                                   " rows held in grad_weight's bytes must be a multiple of 8");
-  if (split > 0 && (row_stride(grad_weight) != hidden || reinterpret_cast<uintptr_t>(grad_weight.data) % 16 != 0))
+  if (split > 0 && !weight_sum_fits_in_place(grad_weight, hidden))
     return invalid(grad_name, "holds rows of the f32 sum, so its rows must be dense (row stride = hidden) and its "
                               "data 16-byte aligned; a tail of vocab rows leaves its bytes alone");
   const auto begin = [](const lmloss_tensor& t) { return reinterpret_cast<uintptr_t>(t.data); };

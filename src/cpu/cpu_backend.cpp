@@ -437,6 +437,7 @@ class LossRunner {
       if (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT)
         widen_weight_sum(g.grad_weight, split, vocab, hidden, sum_tail, threads_);
     }
+    const bool dw_one_matrix = dw_sum && core::weight_sum_is_one_matrix(g.grad_weight, sum_tail, split, hidden);
     if (wants_grads && g.grad_hidden.data && !dx_direct) dx = Workspace<C>(context_, size_t(plan_.chunk_rows) * size_t(hidden));
     if (wants_grads && g.grad_bias.data) {
       db = Workspace<C>(context_, size_t(vocab));
@@ -472,7 +473,7 @@ class LossRunner {
           chunks.grad_weight(rows, z.get(), beta, static_cast<C*>(g.grad_weight.data), core::row_stride(g.grad_weight));
         } else if constexpr (std::is_same_v<C, float>) {  // a 16-bit dW: 16-bit inputs, f32 compute
           auto* in_place = static_cast<C*>(g.grad_weight.data);
-          if (sum_tail.data == in_place + split * hidden && core::row_stride(sum_tail) == hidden) {  // one matrix
+          if (dw_one_matrix) {
             chunks.grad_weight_rows(0, vocab, rows, z.get(), beta, in_place, hidden);
           } else {
             chunks.grad_weight_rows(0, split, rows, z.get(), beta, in_place, hidden);
