@@ -76,12 +76,6 @@ def _empty_like_shape(ref: Tensor, shape, dtype) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=ref.device)
 
 
-def _keeps_weight_sum(weight: Optional[Tensor], want_weight: bool) -> bool:
-    """Whether a 16-bit weight's gradient is summed in float32 over its own bytes and a tail (the
-    library's kept sum, rounded once at the end) rather than in a float32 tensor of its own."""
-    return weight is not None and want_weight and weight.dtype in _LOW_PRECISION
-
-
 def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias,
                   keep_weight_sum=False):
     """(grad_logits, grad_hidden, grad_weight, grad_bias, grad_weight_sum_tail); an empty tensor
@@ -94,7 +88,7 @@ def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_w
     def none():  # each output its own tensor: a custom op's outputs may not alias
         return _empty_like_shape(lead, (0,), lead.dtype)
 
-    keep = keep_weight_sum and _keeps_weight_sum(weight, want_weight)
+    keep = keep_weight_sum and weight is not None and want_weight and weight.dtype in _LOW_PRECISION
     g_logits = torch.empty_like(logits, memory_format=torch.contiguous_format) if (
         logits is not None and want_logits) else none()
     g_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if (
@@ -388,16 +382,6 @@ def _scaled_to(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
     return out
 
 
-def _rounded_weight_sum(ctx, grad_weight: Tensor, tail: Tensor, grad_loss: Tensor) -> Tensor:
-    """The fused step's kept float32 sum of a 16-bit weight's gradient, times the upstream
-    gradient, rounded once into its own bytes: what becomes weight.grad, with no float32 copy of
-    the gradient beside a 16-bit one. In place, so once per forward."""
-    ctx.weight_sum_rounded = True
-    if grad_loss.requires_grad:  # a backward that builds a graph: PyTorch's product after it
-        return torch.mul(_round_weight_sum(grad_weight, tail, None), grad_loss)
-    return _round_weight_sum(grad_weight, tail, grad_loss)
-
-
 def _backward_forward_backward(ctx, grad_loss, *_grads_of_aux):
     if grad_loss is None:
         return _no_grads(_N_HEAD_TARGETS + _N_OPTIONS + 5)
@@ -413,7 +397,14 @@ def _backward_forward_backward(ctx, grad_loss, *_grads_of_aux):
         if not ctx.want[i]:
             continue
         if i == 2 and tail.numel() > 0:
-            out[i] = _rounded_weight_sum(ctx, grads[i], tail, grad_loss)
+            # The kept float32 sum times the upstream gradient, rounded once into its own bytes:
+            # weight.grad with no float32 copy beside it. In place, so once per forward; a
+            # backward that builds a graph takes PyTorch's product after the rounding.
+            ctx.weight_sum_rounded = True
+            if grad_loss.requires_grad:
+                out[i] = torch.mul(_round_weight_sum(grads[i], tail, None), grad_loss)
+            else:
+                out[i] = _round_weight_sum(grads[i], tail, grad_loss)
         else:
             out[i] = _scaled_to(grads[i], grad_loss, ctx.dtypes[i])
     return tuple(out)
