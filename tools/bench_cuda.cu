@@ -587,17 +587,34 @@ class ModesBench {
     cudaStreamDestroy(side_stream_);
   }
   void tune_products(bool on) { tune_ = on; }
-  // dW's dtype in the loss modes and their floor (f32 unless asked: the parameter's dtype).
-  // With `kept`, a 16-bit dW is kept as its f32 sum over its own bytes and a tail
-  // (options.grad_weight_sum_tail), and each step ends with lmloss_round_grad_weight. The tail
-  // follows the rows in place where the vocabulary allows (one f32 matrix, one product a chunk,
-  // as lmloss.torch places it), unless `apart`: then it is a buffer of its own (two products).
-  void set_dw_dtype(lmloss_dtype d, uint32_t flags, bool kept = false, bool apart = false) {
-    dw_dtype_ = d;
-    dw_flags_ = flags;
-    if (!kept) return;
+  // dW in the loss modes and their floor: --dw-dtype's forms. With a kept sum, a 16-bit dW is kept
+  // as its f32 sum over its own bytes and a tail (options.grad_weight_sum_tail), and each step
+  // ends with lmloss_round_grad_weight; the tail follows the rows in place where the vocabulary
+  // allows (one f32 matrix, one product a chunk, as lmloss.torch places it), unless kept apart: a
+  // buffer of its own (two products a chunk).
+  struct DwForm {
+    const char* name;
+    bool input_dtype;  // else f32
+    uint32_t flags;
+    enum class Sum { none, kept, kept_apart } sum;
+    const char* note;  // for the header line
+  };
+  static constexpr DwForm kDwForms[] = {
+      {"f32", false, 0u, DwForm::Sum::none, ""},
+      {"input", true, 0u, DwForm::Sum::none, ", dW in the input dtype, rounded per chunk"},
+      {"input-once", true, LMLOSS_SUM_GRAD_WEIGHT_IN_F32, DwForm::Sum::none,
+       ", dW in the input dtype, summed in f32 and rounded once"},
+      {"input-kept", true, 0u, DwForm::Sum::kept,
+       ", dW in the input dtype, its f32 sum kept with a tail after it, rounded by the caller"},
+      {"input-kept-apart", true, 0u, DwForm::Sum::kept_apart,
+       ", dW in the input dtype, its f32 sum kept with a tail apart, rounded by the caller"},
+  };
+  void set_dw_form(const DwForm& form) {
+    dw_dtype_ = form.input_dtype ? dt_ : LMLOSS_F32;
+    dw_flags_ = form.flags;
+    if (form.sum == DwForm::Sum::none) return;
     const int64_t tail_rows = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_);
-    if (!apart && 2 * tail_rows == v_) {
+    if (form.sum == DwForm::Sum::kept && 2 * tail_rows == v_) {
       dw_sum_tail_at_ = static_cast<char*>(dw_.ptr) + size_t(v_) * size_t(h_) * 2;  // dw_ holds f32 (v, h)
     } else {
       dw_sum_tail_ = DeviceBuffer(size_t(tail_rows) * size_t(h_) * 4);
@@ -1106,19 +1123,14 @@ int run(int argc, char** argv) {
   const lmloss_dtype dt = dtype == "f16" ? LMLOSS_F16 : dtype == "f32" ? LMLOSS_F32 : LMLOSS_BF16;
   ModesBench bench(n, h, v, dt, repeats);
   bench.tune_products(tune);
-  if (dw_dtype != "f32" && dw_dtype != "input" && dw_dtype != "input-once" && dw_dtype != "input-kept" &&
-      dw_dtype != "input-kept-apart")
-    throw std::invalid_argument("--dw-dtype takes f32, input, input-once, input-kept or input-kept-apart");
-  bench.set_dw_dtype(dw_dtype == "f32" ? LMLOSS_F32 : dt,
-                     dw_dtype == "input-once" ? LMLOSS_SUM_GRAD_WEIGHT_IN_F32 : 0u, dw_dtype.rfind("input-kept", 0) == 0,
-                     dw_dtype == "input-kept-apart");
+  const ModesBench::DwForm* dw_form = nullptr;
+  for (const auto& form : ModesBench::kDwForms)
+    if (dw_dtype == form.name) dw_form = &form;
+  if (!dw_form) throw std::invalid_argument("--dw-dtype takes f32, input, input-once, input-kept or input-kept-apart");
+  bench.set_dw_form(*dw_form);
   bench.set_rest_ms(rest_ms);
   if (clocks && !bench.sample_clocks()) std::fprintf(stderr, "# --clocks: NVML did not answer; no clocks\n");
-  const char* dw_note = dw_dtype == "input"        ? ", dW in the input dtype, rounded per chunk"
-                        : dw_dtype == "input-once" ? ", dW in the input dtype, summed in f32 and rounded once"
-                        : dw_dtype == "input-kept" ? ", dW in the input dtype, its f32 sum kept with a tail after it, rounded by the caller"
-                        : dw_dtype == "input-kept-apart" ? ", dW in the input dtype, its f32 sum kept with a tail apart, rounded by the caller"
-                                                   : "";
+  const char* dw_note = dw_form->note;
   std::printf("# %s, preset %s: N %lld H %lld V %lld %s, median of %d, L2 flushed, CUDA events%s%s%s\n",
               device_description().c_str(), p.name, (long long)n, (long long)h, (long long)v,
               dtype.c_str(), repeats, tune ? ", products tuned" : "", dw_note,
