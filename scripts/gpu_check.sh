@@ -153,10 +153,10 @@ fi
 
 # Not in the default stages: a 16-bit dW five ways (f32, rounded per chunk, summed in f32 and
 # rounded once, its f32 sum kept with the caller's tail after it or apart and rounded by a second
-# call) in
-# alternating rounds, its two-part product against one batched product, lmloss's dW errors
-# against float64 (bench/dw_rounding.py's emulation, checked), and lmloss.torch with the kept
-# sum against a float32 dW of its own beside torch.compile, at llama3-8b and a 70B head (H 8192).
+# call) in alternating rounds, its two-part product against one batched product, lmloss's dW
+# errors against float64 (bench/dw_rounding.py's emulation, checked), and lmloss.torch with the
+# kept sum against a float32 dW of its own beside torch.compile, at llama3-8b and a 70B head
+# (H 8192).
 if has_stage dw; then
   echo "== dW: its dtype and rounding, its products in two parts, its error"
   for round in 1 2; do
