@@ -781,6 +781,21 @@ void expect_topk_matches_reference(const TopkCase& c, double id_tolerance) {
   return ::testing::AssertionSuccess();
 }
 
+::testing::AssertionResult rounded_once_from(const Buffer& narrow, const Buffer& wide, int64_t count, float scale) {
+  const double ulp = narrow.dtype() == LMLOSS_BF16 ? 0x1p-7 : 0x1p-10;  // at most, relative
+  int64_t differ = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const double got = narrow.get(i), want = round_to(narrow.dtype(), double(float(wide.get(i)) * scale));
+    if (got == want) continue;
+    ++differ;
+    if (std::fabs(got - want) > ulp * std::fabs(want) + 0x1p-24)
+      return ::testing::AssertionFailure() << "element " << i << ": " << got << ", rounded once " << want;
+  }
+  if (differ > std::max<int64_t>(1, count / 100))
+    return ::testing::AssertionFailure() << differ << " of " << count << " elements differ";
+  return ::testing::AssertionSuccess();
+}
+
 ::testing::AssertionResult untouched(const Buffer& buffer) {
   if (buffer.untouched()) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << "a buffer (" << dtype_name(buffer.dtype()) << ", "
