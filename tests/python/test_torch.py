@@ -2,6 +2,7 @@
 step against the naive loss, and on a CUDA device bf16 parity on large shapes, PyTorch's stream
 and allocator, and no host sync. Skipped, with the reason, where PyTorch or CUDA is absent."""
 
+import contextlib
 import threading
 
 import pytest
@@ -144,6 +145,47 @@ def test_plain_api_on_torch_tensors_returns_torch_tensors():
 ARRAY_DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 
+def bf16_head(device, seed, n=2048, h=64, v=1000):
+    """(x, w, b, y) of a bf16 head, every label counted."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).bfloat16().to(device)
+    w = (torch.randn(v, h, generator=g) / h ** 0.5 * 2).bfloat16().to(device)
+    b = (torch.randn(v, generator=g) * 0.3).bfloat16().to(device)
+    y = torch.randint(0, v, (n,), generator=g).to(device)
+    return x, w, b, y
+
+
+def logits_grad_f64(x, w, y, b=None):
+    """softmax(z) - onehot(y) in float64: dL/dz of the summed cross-entropy."""
+    z = x.double() @ w.double().T + (0 if b is None else b.double())
+    p = torch.softmax(z, dim=-1)
+    p[torch.arange(x.shape[0], device=x.device), y] -= 1.0
+    return p
+
+
+@contextlib.contextmanager
+def chunks_of_256_rows(vocab):
+    """A workspace budget of f32 logits chunks of at most 256 rows: 8 or more for 2048 tokens."""
+    before = lmloss.workspace_budget()
+    lmloss.set_workspace_budget(vocab * 4 * 256)
+    try:
+        yield
+    finally:
+        lmloss.set_workspace_budget(before)
+
+
+def assert_rounded_once(ours, ref, what):
+    """No further from the float64 ref than ROUNDED_ONCE_RATIO times ref rounded to bf16."""
+    e, once = err(ours, ref), err(ref.bfloat16(), ref)
+    assert e <= ROUNDED_ONCE_RATIO * once, f"{what}: {e:.3g} against {once:.3g} for float64 rounded once"
+
+
+def assert_within_an_ulp(a, b):
+    """Two bf16 tensors equal but for at most 1% of elements, an ulp apart."""
+    ulps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+    assert ulps.max().item() <= 1 and (ulps > 0).sum().item() <= ulps.numel() // 100
+
+
 @pytest.mark.parametrize("device", ARRAY_DEVICES)
 def test_plain_api_sums_a_bf16_weight_gradient_once(device):
     """The plain API's bf16 grad_weight and grad_bias over many chunks of tokens are their float32
@@ -153,32 +195,18 @@ def test_plain_api_sums_a_bf16_weight_gradient_once(device):
     (the two calls' sums may differ in their last bits: the CPU's chunks are smaller where the
     float32 sum takes workspace, and CUDA's products of the sum's two halves have shapes of their
     own)."""
-    n, h, v = 2048, 64, 1000
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(n, h, generator=g).bfloat16().to(device)
-    w = (torch.randn(v, h, generator=g) / h ** 0.5 * 2).bfloat16().to(device)
-    b = (torch.randn(v, generator=g) * 0.3).bfloat16().to(device)
-    y = torch.randint(0, v, (n,), generator=g).to(device)
-    before = lmloss.workspace_budget()
-    lmloss.set_workspace_budget(v * 4 * 256)  # f32 logits chunks of at most 256 rows: 8 or more
-    try:
+    x, w, b, y = bf16_head(device, seed=3)
+    with chunks_of_256_rows(w.shape[0]):
         r16 = lmloss.linear_cross_entropy(x, w, y, bias=b, grad=True)
         r32 = lmloss.linear_cross_entropy(x, w, y, bias=b, grad=True, grad_weight_dtype=torch.float32)
-    finally:
-        lmloss.set_workspace_budget(before)
     assert r16.grad_weight.dtype == torch.bfloat16 and r16.grad_bias.dtype == torch.bfloat16
     assert r32.grad_weight.dtype == torch.float32 and r32.grad_bias.dtype == torch.bfloat16
-    xd, wd, bd = x.double(), w.double(), b.double()
-    p = torch.softmax(xd @ wd.T + bd, dim=-1)
-    p[torch.arange(n, device=device), y] -= 1.0
-    p /= n
-    ref_dw, ref_db = p.T @ xd, p.sum(0)
+    p = logits_grad_f64(x, w, y, b) / x.shape[0]
+    ref_dw, ref_db = p.T @ x.double(), p.sum(0)
     assert err(r32.grad_weight, ref_dw) <= GRAD_WEIGHT_F32_OF_16_BIT
-    for what, ours, ref in (("grad_weight", r16.grad_weight, ref_dw), ("grad_bias", r16.grad_bias, ref_db)):
-        e, once = err(ours, ref), err(ref.bfloat16(), ref)
-        assert e <= ROUNDED_ONCE_RATIO * once, f"{what}: {e:.3g} against {once:.3g} for float64 rounded once"
-    ulps = (r16.grad_weight.view(torch.int16).int() - r32.grad_weight.bfloat16().view(torch.int16).int()).abs()
-    assert ulps.max().item() <= 1 and (ulps > 0).sum().item() <= ulps.numel() // 100
+    assert_rounded_once(r16.grad_weight, ref_dw, "grad_weight")
+    assert_rounded_once(r16.grad_bias, ref_db, "grad_bias")
+    assert_within_an_ulp(r16.grad_weight, r32.grad_weight.bfloat16())
 
 
 def test_plain_api_grad_weight_dtype_errors():
@@ -201,11 +229,7 @@ def test_bf16_weight_gradient_is_its_f32_sum_rounded_once(device, monkeypatch):
     elements, of the float32-tensor path (_KEEP_WEIGHT_SUM off) rounded once, and within
     ROUNDED_ONCE_RATIO of float64 rounded once; so too on reduction "none"'s recomputing
     backward."""
-    n, h, v = 2048, 64, 1000
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(n, h, generator=g).bfloat16().to(device)
-    w = (torch.randn(v, h, generator=g) / h ** 0.5 * 2).bfloat16().to(device)
-    y = torch.randint(0, v, (n,), generator=g).to(device)
+    x, w, _, y = bf16_head(device, seed=4)
 
     def weight_grad(keep, reduction):
         monkeypatch.setattr(lt, "_KEEP_WEIGHT_SUM", keep)
@@ -214,24 +238,14 @@ def test_bf16_weight_gradient_is_its_f32_sum_rounded_once(device, monkeypatch):
         (loss * 0.75).sum().backward()
         return wg.grad
 
-    before = lmloss.workspace_budget()
-    lmloss.set_workspace_budget(v * 4 * 256)  # f32 logits chunks of at most 256 rows: 8 or more
-    try:
+    with chunks_of_256_rows(w.shape[0]):
         kept, wide = weight_grad(True, "mean"), weight_grad(False, "mean")
         per_token = weight_grad(True, "none")
-    finally:
-        lmloss.set_workspace_budget(before)
     assert kept.dtype == torch.bfloat16 and kept.shape == w.shape and kept.is_contiguous()
-    ulps = (kept.view(torch.int16).int() - wide.view(torch.int16).int()).abs()
-    assert ulps.max().item() <= 1 and (ulps > 0).sum().item() <= ulps.numel() // 100
-    xd, wd = x.double(), w.double()
-    p = torch.softmax(xd @ wd.T, dim=-1)
-    p[torch.arange(n, device=device), y] -= 1.0
-    ref = 0.75 * (p.T @ xd)
-    for what, ours, want in (("mean", kept, ref / n), ("none", per_token, ref)):
-        e, once = err(ours, want), err(want.bfloat16(), want)
-        assert e <= ROUNDED_ONCE_RATIO * once, \
-            f"{what}: {e:.3g} against {once:.3g} for float64 rounded once"
+    assert_within_an_ulp(kept, wide)
+    ref = 0.75 * (logits_grad_f64(x, w, y).T @ x.double())
+    assert_rounded_once(kept, ref / x.shape[0], "mean")
+    assert_rounded_once(per_token, ref, "none")
 
 
 def test_bf16_weight_gradient_accumulates_over_micro_batches():
