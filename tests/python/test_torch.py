@@ -177,7 +177,8 @@ def chunks_of_256_rows(vocab):
 def assert_rounded_once(ours, ref, what):
     """No further from the float64 ref than ROUNDED_ONCE_RATIO times ref rounded to bf16."""
     e, once = err(ours, ref), err(ref.bfloat16(), ref)
-    assert e <= ROUNDED_ONCE_RATIO * once, f"{what}: {e:.3g} against {once:.3g} for float64 rounded once"
+    assert e <= ROUNDED_ONCE_RATIO * once, \
+        f"{what}: {e:.3g} against {once:.3g} for float64 rounded once"
 
 
 def assert_within_an_ulp(a, b):
