@@ -142,7 +142,8 @@ LMLOSS_API lmloss_status lmloss_context_set_num_threads(lmloss_context* context,
 /* CUDA: the stream (a cudaStream_t; NULL = the legacy default stream) on which calls enqueue work.
  * Calls never synchronise it. A call may run part of its work on a second stream of the context's
  * own, forked from this one by an event and joined back into it before the call returns: work the
- * caller enqueues after a call waits for all of it. */
+ * caller enqueues after a call waits for all of it. Calls after the context's first CUDA call (which
+ * makes its handles, and is refused under capture) can be captured into a CUDA graph. */
 LMLOSS_API lmloss_status lmloss_context_set_stream(lmloss_context* context, void* stream);
 /* CUDA: when enabled (off by default), the first call that meets a product shape times every
  * algorithm cuBLASLt's heuristic offers for it, on that call's operands, and the context keeps

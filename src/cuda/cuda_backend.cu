@@ -78,7 +78,7 @@ class CudaState : public core::BackendState {
     cudaSetDevice(previous);
   }
   // A second stream for work that runs beside the call's own (see SideStream), with the events
-  // that fork onto it and join it back; made on first use, on the state's device.
+  // that fork onto it and join it back; made with the state, on its device.
   lmloss_status side(cudaStream_t* out) {
     if (!side_stream) {
       LMLOSS_CUDA_TRY(cudaEventCreateWithFlags(&fork_event, cudaEventDisableTiming));
@@ -142,13 +142,26 @@ class DeviceGuard {
   int previous_ = 0, device_ = 0;
 };
 
-lmloss_status get_state(lmloss_context& context, int device, CudaState** out) {
+// The context's state on `device`, made by its first CUDA call. Making it allocates and sets device
+// memory and creates handles and a stream, none of which a CUDA graph can capture: a first call
+// under capture is refused, saying so. Later calls enqueue only stream-ordered work (kernels,
+// products, the workspace's stream-ordered allocation, the side stream forked and joined by
+// events), so a caller may capture them.
+lmloss_status get_state(lmloss_context& context, int device, cudaStream_t stream, CudaState** out) {
   if (!context.cuda_state) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    LMLOSS_CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+      return core::fail(LMLOSS_ERROR_UNSUPPORTED,
+                        "context: its first CUDA call makes its handles and cannot be captured into a CUDA "
+                        "graph; make one call on the context before capturing");
     auto state = std::make_unique<CudaState>();
     state->device = device;
     LMLOSS_CUDA_TRY(cudaMalloc(&state->error_flag, sizeof(int)));
     LMLOSS_CUDA_TRY(cudaMemset(state->error_flag, 0, sizeof(int)));
     if (const lmloss_status st = state->matmul.init(); st != LMLOSS_SUCCESS) return st;
+    cudaStream_t side = nullptr;  // made now, so that no later call creates a stream
+    LMLOSS_CHECK(state->side(&side));
     // Keep up to one budget of freed workspace in the stream-ordered pool between calls, so a
     // training loop does not map and unmap it on every step.
     cudaMemPool_t pool;
@@ -1346,7 +1359,7 @@ class CudaBackend final : public core::Backend {
   lmloss_status run(lmloss_context& context, const core::LossCall& call) override {
     DeviceGuard guard(call.device_index);
     CudaState* state = nullptr;
-    LMLOSS_CHECK(get_state(context, call.device_index, &state));
+    LMLOSS_CHECK(get_state(context, call.device_index, static_cast<cudaStream_t>(context.stream), &state));
     const LossPlan plan = plan_loss(context, call);
     if (plan.chunk_rows == 0) return budget_error(context, plan.layout.total(1));
     LossRun r{context, call, *state, static_cast<cudaStream_t>(context.stream)};
@@ -1356,7 +1369,7 @@ class CudaBackend final : public core::Backend {
   lmloss_status run(lmloss_context& context, const core::TopkCall& call) override {
     DeviceGuard guard(call.device_index);
     CudaState* state = nullptr;
-    LMLOSS_CHECK(get_state(context, call.device_index, &state));
+    LMLOSS_CHECK(get_state(context, call.device_index, static_cast<cudaStream_t>(context.stream), &state));
     const TopkPlan plan = plan_topk(context, call);
     const int64_t k = call.options.k;
     if (plan.chunk_rows == 0) return budget_error(context, plan.layout.total(1));
