@@ -557,3 +557,75 @@ def test_cuda_compile_inductor_and_bad_label_flag():
     with pytest.raises(ValueError):
         lmloss.synchronize()
     lmloss.synchronize()  # the flag was cleared by the report
+
+
+def eager_step(x, w, y):
+    """(loss, x.grad, w.grad) of one eager step of the fused loss on copies of x and w."""
+    x, w = leaf(x), leaf(w)
+    loss = lt.linear_cross_entropy(x, w, y)
+    loss.backward()
+    return loss.detach(), x.grad, w.grad
+
+
+def assert_same_step(got, want):
+    """Loss and dX bitwise; dW, rounded once from its float32 sum, within an ulp (the sum's two
+    halves may lie apart in one run and together in the other: one product a chunk or two)."""
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert_within_an_ulp(got[2], want[2])
+
+
+@needs_cuda
+def test_cuda_graph_replays_the_step_on_new_inputs():
+    """A bf16 head's step (its weight gradient kept as a float32 sum and rounded in backward)
+    captured with torch.cuda.graph after warm-up steps on a side stream, as PyTorch asks: each
+    replay gives what an eager step on the static tensors' contents gives."""
+    x0, w0, _, y0 = bf16_head("cuda", seed=11, n=512, h=256, v=4096)
+    x1, w1, _, y1 = bf16_head("cuda", seed=12, n=512, h=256, v=4096)
+    want0, want1 = eager_step(x0, w0, y0), eager_step(x1, w1, y1)
+    x, w, y = leaf(x0), leaf(w0), y0.clone()
+
+    def step():
+        x.grad = w.grad = None
+        loss = lt.linear_cross_entropy(x, w, y)
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = lt.linear_cross_entropy(x, w, y)
+        loss.backward()
+    for inputs, want in (((x1, w1, y1), want1), ((x0, w0, y0), want0), ((x1, w1, y1), want1)):
+        with torch.no_grad():
+            x.copy_(inputs[0])
+            w.copy_(inputs[1])
+            y.copy_(inputs[2])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same_step((loss.detach(), x.grad, w.grad), want)
+
+
+@needs_cuda
+def test_cuda_compiled_with_cuda_graphs():
+    """torch.compile(mode="reduce-overhead") takes the loss's forward and backward into CUDA
+    graphs (none skipped) and, once they replay, gives the eager steps' results."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x, w, y: lt.linear_cross_entropy(x, w, y),
+                             mode="reduce-overhead", fullgraph=True)
+    for seed in range(4):  # warm-up, recording, then replays
+        x0, w0, _, y0 = bf16_head("cuda", seed=20 + seed, n=512, h=256, v=4096)
+        x, w = leaf(x0), leaf(w0)
+        loss = compiled(x, w, y0)
+        loss.backward()
+        got = (loss.detach().clone(), x.grad.clone(), w.grad.clone())
+        assert_same_step(got, eager_step(x0, w0, y0))
+    assert counters["inductor"]["cudagraph_skips"] == 0
