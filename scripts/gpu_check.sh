@@ -95,6 +95,14 @@ if has_stage tests; then
     run "$BUILD/tools/lmloss" check --backend cuda > "$OUT/check.log" 2>&1
     note "check   lmloss check --backend cuda rc=$? $(tail -1 "$OUT/check.log")"
   fi
+  # The PyTorch layer's CUDA tests, on lmloss's wheel (scripts/gpu_build.sh --wheel) where there is one.
+  if ls dist/lmloss-*.whl > /dev/null 2>&1 && python3 -c 'import torch, pytest' 2> /dev/null; then
+    install_wheels
+    python3 -m pytest -q -p no:cacheprovider tests/python/test_torch.py -k cuda > "$OUT/pytest_torch_cuda.log" 2>&1
+    rc=$?
+    note "tests   pytest test_torch.py -k cuda rc=$rc $(tail -1 "$OUT/pytest_torch_cuda.log")"
+    [ $rc -ne 0 ] && { FAILED=1; grep -E '^(FAILED|ERROR)' "$OUT/pytest_torch_cuda.log" | head -20; }
+  fi
 fi
 
 if has_stage sanitizer; then
