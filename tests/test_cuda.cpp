@@ -989,9 +989,14 @@ TEST_F(Cuda, CallsDoNotWaitForTheStream) {
   cudaStreamDestroy(stream);
 }
 
+lmloss_status launch(cudaGraphExec_t exec, cudaStream_t stream) {
+  return cudaGraphLaunch(exec, stream) == cudaSuccess ? LMLOSS_SUCCESS : LMLOSS_ERROR_BACKEND;
+}
+
 // Enqueues `work` on `stream` under capture (global mode: any call unsafe in a graph, from this
 // thread or another, invalidates it), instantiates the graph into *exec and launches it once.
-lmloss_status capture_and_launch(cudaStream_t stream, cudaGraphExec_t* exec, const std::function<lmloss_status()>& work) {
+lmloss_status capture_and_launch(cudaStream_t stream, cudaGraphExec_t* exec,
+                                 const std::function<lmloss_status()>& work) {
   if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess) return LMLOSS_ERROR_BACKEND;
   const lmloss_status status = work();
   cudaGraph_t graph = nullptr;
@@ -1008,7 +1013,7 @@ lmloss_status capture_and_launch(cudaStream_t stream, cudaGraphExec_t* exec, con
     ADD_FAILURE() << "instantiate: " << cudaGetErrorString(made);
     return LMLOSS_ERROR_BACKEND;
   }
-  return cudaGraphLaunch(*exec, stream) == cudaSuccess ? LMLOSS_SUCCESS : LMLOSS_ERROR_BACKEND;
+  return launch(*exec, stream);
 }
 
 // The inputs of `from` (values and ids, on the host) into `to`'s buffers of the same shapes: the
@@ -1042,16 +1047,15 @@ TEST_F(Cuda, CallsCapturedInAGraphReplayOnTheBuffersContents) {
     Mode mode;
     bool keep_weight_sum;
   };
+  const ProblemSpec step{.n_tokens = 700, .vocab = 1999, .hidden = 136};
   const GraphCase cases[] = {
-      {"bf16 fused step", LMLOSS_BF16, LMLOSS_BF16, {.n_tokens = 700, .vocab = 1999, .hidden = 136}, "zloss_temperature",
-       Mode::forward_backward, false},
+      {"bf16 fused step", LMLOSS_BF16, LMLOSS_BF16, step, "zloss_temperature", Mode::forward_backward, false},
       {"f32 fused distillation with a bias", LMLOSS_F32, LMLOSS_F32,
-       {.n_tokens = 300, .vocab = 1999, .hidden = 72, .bias = true, .top_k = 8}, "distill_mixed", Mode::forward_backward,
-       false},
-      {"bf16 forward", LMLOSS_BF16, LMLOSS_F32, {.n_tokens = 700, .vocab = 1999, .hidden = 136}, "plain", Mode::forward,
-       false},
-      {"bf16 kept dW sum, rounded", LMLOSS_BF16, LMLOSS_BF16, {.n_tokens = 300, .vocab = 2000, .hidden = 40}, "plain",
-       Mode::forward_backward, true},
+       {.n_tokens = 300, .vocab = 1999, .hidden = 72, .bias = true, .top_k = 8}, "distill_mixed",
+       Mode::forward_backward, false},
+      {"bf16 forward", LMLOSS_BF16, LMLOSS_F32, step, "plain", Mode::forward, false},
+      {"bf16 kept dW sum, rounded", LMLOSS_BF16, LMLOSS_BF16, {.n_tokens = 300, .vocab = 2000, .hidden = 40},
+       "plain", Mode::forward_backward, true},
   };
   for (const GraphCase& gc : cases) {
     SCOPED_TRACE(gc.name);
@@ -1077,14 +1081,16 @@ TEST_F(Cuda, CallsCapturedInAGraphReplayOnTheBuffersContents) {
       const lmloss_grads g = on.grads();
       const lmloss_tensor loss_t = on.loss_tensor(), lse_t = on.lse_tensor();
       if (gc.mode == Mode::forward) return lmloss_loss_forward(ctx.get(), &h, &t, &on.options, &loss_t, &lse_t);
-      const lmloss_status st = lmloss_loss_forward_backward(ctx.get(), &h, &t, &on.options, nullptr, &loss_t, &lse_t, &g);
+      const lmloss_status st =
+          lmloss_loss_forward_backward(ctx.get(), &h, &t, &on.options, nullptr, &loss_t, &lse_t, &g);
       if (st != LMLOSS_SUCCESS || !gc.keep_weight_sum) return st;
       const lmloss_tensor tail_t = on.options.grad_weight_sum_tail;
       return lmloss_round_grad_weight(ctx.get(), &g.grad_weight, &tail_t, nullptr);
     };
 
     cudaGraphExec_t exec = nullptr;
-    const lmloss_status first = c.invoke(ctx.get(), [&] { return capture_and_launch(stream, &exec, [&] { return work(c); }); });
+    auto captured = [&] { return capture_and_launch(stream, &exec, [&] { return work(c); }); };
+    const lmloss_status first = c.invoke(ctx.get(), captured);
     EXPECT_EQ(first, LMLOSS_ERROR_UNSUPPORTED) << "a context's first call under capture";
     EXPECT_NE(std::string(lmloss_last_error()).find("before capturing"), std::string::npos) << lmloss_last_error();
     ASSERT_EQ(exec, nullptr);
@@ -1095,14 +1101,58 @@ TEST_F(Cuda, CallsCapturedInAGraphReplayOnTheBuffersContents) {
     ASSERT_EQ(other.invoke(ctx.get(), [&] { return work(other); }), LMLOSS_SUCCESS) << lmloss_last_error();
     const std::vector<double> direct_other = other.output_values();
 
+    ASSERT_EQ(c.invoke(ctx.get(), captured), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_TRUE(bitwise_equal(direct, c.output_values()));
+    copy_inputs(c, other);
+    ASSERT_EQ(c.invoke(ctx.get(), [&] { return launch(exec, stream); }), LMLOSS_SUCCESS);
+    EXPECT_TRUE(bitwise_equal(direct_other, c.output_values()));
+    cudaGraphExecDestroy(exec);
+  }
+  cudaStreamDestroy(stream);
+}
+
+// A teacher's top-k captured the same way: k 64 (on sm_90 from each column group's best) and k
+// 1000 (the logits above a sampled bar), each graph's launches against direct calls, bitwise.
+TEST_F(Cuda, TopkCapturedInAGraphReplaysOnTheBuffersContents) {
+  Generator gen(4042);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const ProblemSpec spec{.n_tokens = 70, .vocab = 50021, .hidden = 72};
+  for (const int64_t k : {int64_t(64), int64_t(1000)}) {
+    SCOPED_TRACE("k " + std::to_string(k));
+    lmloss_topk_options o = lmloss_topk_options_default();
+    o.k = k;
+    o.renormalize = 0;
+    TopkCase c(gen.problem(spec), o, {.device = Device::cuda, .dtype = LMLOSS_BF16});
+    TopkCase other(gen.problem(spec), o, {.device = Device::cuda, .dtype = LMLOSS_BF16});
+    lmloss::Context ctx;
+    ctx.set_stream(stream);
+    auto work = [&](TopkCase& on) {
+      const lmloss_head h = on.head();
+      const lmloss_tensor ids_t = on.ids.tensor(), probs_t = on.probs.tensor(), tail_t = on.tail.tensor();
+      return lmloss_topk(ctx.get(), &h, &on.options, &ids_t, &probs_t, &tail_t);
+    };
+    auto outputs = [](const TopkCase& on) {
+      std::vector<double> v = on.probs.values(), tail = on.tail.values();
+      for (const int64_t id : on.ids.ids()) v.push_back(double(id));
+      v.insert(v.end(), tail.begin(), tail.end());
+      return v;
+    };
+    ASSERT_EQ(c.invoke(ctx.get(), [&] { return work(c); }), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_topk_matches_reference(c, tolerance(LMLOSS_F32));
+    const std::vector<double> direct = outputs(c);
+    ASSERT_EQ(other.invoke(ctx.get(), [&] { return work(other); }), LMLOSS_SUCCESS) << lmloss_last_error();
+    const std::vector<double> direct_other = outputs(other);
+
+    cudaGraphExec_t exec = nullptr;
     ASSERT_EQ(c.invoke(ctx.get(), [&] { return capture_and_launch(stream, &exec, [&] { return work(c); }); }),
               LMLOSS_SUCCESS)
         << lmloss_last_error();
-    EXPECT_TRUE(bitwise_equal(direct, c.output_values()));
-    copy_inputs(c, other);
-    ASSERT_EQ(c.invoke(ctx.get(), [&] { return cudaGraphLaunch(exec, stream) == cudaSuccess ? LMLOSS_SUCCESS : LMLOSS_ERROR_BACKEND; }),
-              LMLOSS_SUCCESS);
-    EXPECT_TRUE(bitwise_equal(direct_other, c.output_values()));
+    EXPECT_TRUE(bitwise_equal(direct, outputs(c)));
+    c.hidden.fill(other.hidden.values());
+    c.weight.fill(other.weight.values());
+    ASSERT_EQ(c.invoke(ctx.get(), [&] { return launch(exec, stream); }), LMLOSS_SUCCESS);
+    EXPECT_TRUE(bitwise_equal(direct_other, outputs(c)));
     cudaGraphExecDestroy(exec);
   }
   cudaStreamDestroy(stream);
