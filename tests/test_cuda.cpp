@@ -1111,6 +1111,43 @@ TEST_F(Cuda, CallsCapturedInAGraphReplayOnTheBuffersContents) {
   cudaStreamDestroy(stream);
 }
 
+// With product tuning a shape's first call times cuBLASLt's candidates and waits for them: under
+// capture that call is refused, saying why; a graph captured after it replays the tuned call.
+TEST_F(Cuda, ProductTuningIsDoneBeforeCapture) {
+  Generator gen(4043);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const lmloss_loss_options o = options_named("plain");
+  LossCase tuned(gen.problem({.n_tokens = 700, .vocab = 1999, .hidden = 136}), o, setup(LMLOSS_BF16, LMLOSS_F32));
+  LossCase untuned(gen.problem({.n_tokens = 500, .vocab = 2003, .hidden = 64}), o, setup(LMLOSS_BF16, LMLOSS_F32));
+  lmloss::Context ctx;
+  ctx.set_stream(stream);
+  ctx.set_product_tuning(true);
+  auto work = [&](LossCase& on) {
+    const lmloss_head h = on.head();
+    const lmloss_targets t = on.targets();
+    const lmloss_grads g = on.grads();
+    const lmloss_tensor loss_t = on.loss_tensor(), lse_t = on.lse_tensor();
+    return lmloss_loss_forward_backward(ctx.get(), &h, &t, &on.options, nullptr, &loss_t, &lse_t, &g);
+  };
+  ASSERT_EQ(tuned.invoke(ctx.get(), [&] { return work(tuned); }), LMLOSS_SUCCESS) << lmloss_last_error();
+  const std::vector<double> direct = tuned.output_values();
+
+  cudaGraphExec_t exec = nullptr;
+  EXPECT_EQ(untuned.invoke(ctx.get(), [&] { return capture_and_launch(stream, &exec, [&] { return work(untuned); }); }),
+            LMLOSS_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(lmloss_last_error()).find("product tuning"), std::string::npos) << lmloss_last_error();
+  ASSERT_EQ(exec, nullptr);
+  ASSERT_EQ(tuned.invoke(ctx.get(), [&] { return capture_and_launch(stream, &exec, [&] { return work(tuned); }); }),
+            LMLOSS_SUCCESS)
+      << lmloss_last_error();
+  EXPECT_TRUE(bitwise_equal(direct, tuned.output_values()));
+  cudaGraphExecDestroy(exec);
+  ASSERT_EQ(untuned.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  expect_matches_reference(untuned, Mode::forward_backward);
+  cudaStreamDestroy(stream);
+}
+
 // A teacher's top-k captured the same way: k 64 (on sm_90 from each column group's best) and k
 // 1000 (the logits above a sampled bar), each graph's launches against direct calls, bitwise.
 TEST_F(Cuda, TopkCapturedInAGraphReplaysOnTheBuffersContents) {
