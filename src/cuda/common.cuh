@@ -35,6 +35,16 @@ namespace lmloss::cuda {
     }                                                                                          \
   } while (0)
 
+// LMLOSS_SUCCESS, or LMLOSS_ERROR_UNSUPPORTED when `stream` is capturing a CUDA graph: for work
+// that a graph cannot hold (made once for later calls, or waiting for the device). `what` says
+// which work and ends with what the caller does instead.
+inline lmloss_status refuse_under_capture(cudaStream_t stream, const char* what) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  LMLOSS_CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
+  if (capture == cudaStreamCaptureStatusNone) return LMLOSS_SUCCESS;
+  return core::fail(LMLOSS_ERROR_UNSUPPORTED, what);
+}
+
 // Values the kernels of one call compute on the device and share (never read by the host).
 struct CallScalars {
   float inv_denominator;  // 1 / D for mean, 1 for sum and none

@@ -149,12 +149,9 @@ class DeviceGuard {
 // events), so a caller may capture them.
 lmloss_status get_state(lmloss_context& context, int device, cudaStream_t stream, CudaState** out) {
   if (!context.cuda_state) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    LMLOSS_CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone)
-      return core::fail(LMLOSS_ERROR_UNSUPPORTED,
-                        "context: its first CUDA call makes its handles and cannot be captured into a CUDA "
-                        "graph; make one call on the context before capturing");
+    LMLOSS_CHECK(refuse_under_capture(stream,
+                                      "context: its first CUDA call makes its handles and cannot be captured "
+                                      "into a CUDA graph; make one call on the context before capturing"));
     auto state = std::make_unique<CudaState>();
     state->device = device;
     LMLOSS_CUDA_TRY(cudaMalloc(&state->error_flag, sizeof(int)));

@@ -196,13 +196,10 @@ lmloss_status MatmulCache::run(MatmulShape shape, const void* a, const void* b, 
   MatmulPlan* p = nullptr;
   if (const lmloss_status st = plan(shape, &p); st != LMLOSS_SUCCESS) return st;
   if (tuning && !p->tuned) {
-    // Timing waits for the candidates' runs, which a CUDA graph's capture cannot hold.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    LMLOSS_CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone)
-      return core::fail(LMLOSS_ERROR_UNSUPPORTED,
-                        "product tuning: a product shape's first call times cuBLASLt's candidates and waits for "
-                        "them, which cannot be captured into a CUDA graph; make that call before capturing");
+    LMLOSS_CHECK(refuse_under_capture(stream,
+                                      "product tuning: a product shape's first call times cuBLASLt's candidates "
+                                      "and waits for them, which cannot be captured into a CUDA graph; make "
+                                      "that call before capturing"));
     if (const lmloss_status st = tune(*p, shape, a, b, d, beta, workspace, stream); st != LMLOSS_SUCCESS) return st;
   }
   LMLOSS_LT_TRY("matmul", lt().Matmul(handle_, p->desc, alpha, a, p->a, b, p->b, beta, d, p->d,
