@@ -142,7 +142,10 @@ if has_stage bench; then
   echo "== bench: every mode at the presets"
   for spec in "llama3-8b 8192" "llama3-8b 32768" "gemma2-2b 8192"; do
     set -- $spec
-    modes=fwd_bwd,dx_only,forward,topk64,topk2048,distill64
+    # seedtopk: the seed's top-k scheme (cuBLASLt's product into f32 logits, then the seed's row
+    # kernel), the bar for top-k up to 2048.
+    modes=fwd_bwd,dx_only,forward,topk64,topk2048,seedtopk64,seedtopk2048,distill64
+    [ "$2" = 32768 ] && modes=fwd_bwd,dx_only,forward,topk64,topk2048,distill64
     [ $QUICK = 1 ] && [ "$2" = 32768 ] && modes=fwd_bwd
     run "$BUILD/tools/bench_cuda_modes" --preset "$1" --tokens "$2" --modes "$modes" --repeats $REPEATS \
       --json "$OUT/modes_$1_$2.json" 2>&1 | tee "$OUT/modes_$1_$2.log"
@@ -221,7 +224,7 @@ fi
 echo
 echo "== summary"
 cat "$SUMMARY"
-for f in "$OUT"/modes_*.log "$OUT"/curve.log; do [ -f "$f" ] && grep -E 'x[0-9]' "$f"; done
+for f in "$OUT"/modes_*.log "$OUT"/curve.log; do [ -f "$f" ] && grep -E 'x[0-9]|rows. ids differ' "$f"; done
 [ -f "$OUT/peers.log" ] && grep -E 'x[0-9]' "$OUT/peers.log"
 [ -f "$OUT/dw_parts.log" ] && grep '^dw-parts' "$OUT/dw_parts.log"
 [ -f "$OUT/dw_accuracy.log" ] && grep 'vs f64' "$OUT/dw_accuracy.log"

@@ -7,8 +7,9 @@
 //
 // Built with -DLMLOSS_BENCH_CUDA_MAIN the file is instead a program of its own that times every
 // mode of the issue on one preset (fused fwd+bwd with dX and dW, dX only, forward only, top-k,
-// top-k distillation) against its own floor of bare products, and the fused step over a range of
-// workspace budgets; CUDA events, L2 flushed before every timed run, median of the repeats.
+// top-k distillation; and `seedtopkK`, the seed's top-k scheme that top-k is held to) against its
+// own floor of bare products, and the fused step over a range of workspace budgets; CUDA events,
+// L2 flushed before every timed run, median of the repeats.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -473,6 +474,84 @@ void fill_normal(void* out, lmloss_dtype dt, int64_t n, uint64_t seed, float std
   else if (dt == LMLOSS_F16) fill_normal_kernel<<<blocks, 256>>>(static_cast<__half*>(out), n, seed, stddev);
   else fill_normal_kernel<<<blocks, 256>>>(static_cast<float*>(out), n, seed, stddev);
   cuda_check(cudaGetLastError(), "fill_normal");
+}
+
+// The teacher top-k of the project's seed (seed 001's topk_rows), the issue's bar for k up to 2048,
+// written again here from its description: one block of 256 threads a row of f32 logits; each
+// thread keeps the 8 largest of its strided scan in descending order (a later equal value after
+// an earlier one), the block's 2048 candidates are bitonic-sorted in shared memory, descending,
+// and the first k go out with probabilities renormalised over them. (Not exact: a row whose top
+// k holds more than 8 of one thread's columns loses some.) The insertion is unrolled, so that the
+// 8 stay in registers.
+constexpr int kSeedThreads = 256, kSeedKept = 8, kSeedCandidates = kSeedThreads * kSeedKept;
+__global__ void __launch_bounds__(kSeedThreads)
+    seed_topk_rows_kernel(const float* logits, int64_t ld, int64_t vocab, int k, int32_t* ids, float* probs) {
+  __shared__ float value[kSeedCandidates];
+  __shared__ int32_t id[kSeedCandidates];
+  __shared__ float partial[kSeedThreads];
+  const int t = threadIdx.x;
+  const float* row = logits + int64_t(blockIdx.x) * ld;
+  float best[kSeedKept];
+  int32_t best_id[kSeedKept];
+#pragma unroll
+  for (int q = 0; q < kSeedKept; ++q) {
+    best[q] = -3.0e38f;
+    best_id[q] = 0;
+  }
+  for (int64_t j = t; j < vocab; j += kSeedThreads) {
+    float v = row[j];
+    if (!(v > best[kSeedKept - 1])) continue;
+    int32_t i = int32_t(j);
+#pragma unroll
+    for (int q = 0; q < kSeedKept; ++q) {  // v passes every kept value at least as large
+      if (v > best[q]) {
+        const float kept = best[q];
+        const int32_t kept_id = best_id[q];
+        best[q] = v;
+        best_id[q] = i;
+        v = kept;
+        i = kept_id;
+      }
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kSeedKept; ++q) {
+    value[t * kSeedKept + q] = best[q];
+    id[t * kSeedKept + q] = best_id[q];
+  }
+  __syncthreads();
+  for (int size = 2; size <= kSeedCandidates; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int e = t; e < kSeedCandidates; e += kSeedThreads) {
+        const int other = e ^ stride;
+        if (other <= e) continue;
+        const bool descending = (e & size) == 0;
+        const float a = value[e], b = value[other];
+        if ((descending && a < b) || (!descending && a > b)) {
+          value[e] = b;
+          value[other] = a;
+          const int32_t swap = id[e];
+          id[e] = id[other];
+          id[other] = swap;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  const float top = value[0];
+  float sum = 0.f;
+  for (int q = t; q < k; q += kSeedThreads) sum += expf(value[q] - top);
+  partial[t] = sum;
+  __syncthreads();
+  for (int half = kSeedThreads / 2; half > 0; half >>= 1) {
+    if (t < half) partial[t] += partial[t + half];
+    __syncthreads();
+  }
+  const float total = partial[0];
+  for (int q = t; q < k; q += kSeedThreads) {
+    ids[int64_t(blockIdx.x) * k + q] = id[q];
+    probs[int64_t(blockIdx.x) * k + q] = expf(value[q] - top) / total;
+  }
 }
 
 int current_device() {
@@ -1043,6 +1122,52 @@ class ModesBench {
             double(ctx.peak_workspace()) / double(1 << 30), repeats_, last_clocks_};
   }
 
+  // The seed's top-k (seed_topk_rows_kernel) for the issue's comparison: chunks of `chunk_rows`
+  // tokens (2048: a chunk's f32 logits at V 128256 fill the default 1 GiB), each cuBLASLt's
+  // forward product into f32 logits and then the seed's row kernel. Also says in how many rows
+  // its ids differ from lmloss_topk's, which are exact.
+  Row seed_topk_mode(int64_t k, int64_t chunk_rows, int floor_count) {
+    if (k > kSeedCandidates) throw std::invalid_argument("the seed's top-k takes k <= 2048");
+    chunk_rows = std::min(chunk_rows, n_);
+    DeviceBuffer logits(size_t(chunk_rows) * size_t(v_) * 4);
+    DeviceBuffer ids(size_t(n_) * size_t(k) * 4), probs(size_t(n_) * size_t(k) * 4);
+    const size_t es = type_size(dt_);
+    auto step = [&] {
+      for (int64_t r0 = 0; r0 < n_; r0 += chunk_rows) {
+        const int64_t rows = std::min(chunk_rows, n_ - r0);
+        products_.run(rows, v_, h_, false, true, static_cast<char*>(x_.ptr) + size_t(r0) * size_t(h_) * es, w_.ptr,
+                      logits.ptr, dt_, LMLOSS_F32, stream_);
+        seed_topk_rows_kernel<<<unsigned(rows), kSeedThreads, 0, stream_>>>(
+            static_cast<const float*>(logits.ptr), v_, v_, int(k), static_cast<int32_t*>(ids.ptr) + r0 * k,
+            static_cast<float*>(probs.ptr) + r0 * k);
+      }
+      cuda_check(cudaGetLastError(), "seed top-k");
+    };
+    const double ms = time(step, floor_count);
+
+    // Its ids beside lmloss_topk's.
+    Ctx ctx;
+    ctx.set_stream(stream_);
+    const lmloss_head head = linear_head(dev_matrix(x_.ptr, dt_, n_, h_), dev_matrix(w_.ptr, dt_, v_, h_));
+    lmloss_topk_options o = lmloss_topk_options_default();
+    o.k = k;
+    const lmloss_tensor exact = dev_matrix(topk_ids_.ptr, LMLOSS_I32, n_, k);
+    const lmloss_tensor exact_probs = dev_matrix(topk_probs_.ptr, LMLOSS_F32, n_, k);
+    const lmloss_tensor none = lmloss_tensor_none();
+    lmloss::check(lmloss_topk(ctx.get(), &head, &o, &exact, &exact_probs, &none));
+    ctx.synchronize();
+    std::vector<int32_t> seed(size_t(n_) * size_t(k)), ours(seed.size());
+    cuda_check(cudaMemcpy(seed.data(), ids.ptr, seed.size() * 4, cudaMemcpyDeviceToHost), "ids");
+    cuda_check(cudaMemcpy(ours.data(), topk_ids_.ptr, ours.size() * 4, cudaMemcpyDeviceToHost), "ids");
+    int64_t differing = 0;
+    for (int64_t t = 0; t < n_; ++t)
+      differing += !std::equal(seed.begin() + t * k, seed.begin() + (t + 1) * k, ours.begin() + t * k);
+    std::printf("# seedtopk%lld: %lld of %lld rows' ids differ from lmloss_topk's\n", (long long)k,
+                (long long)differing, (long long)n_);
+    return {"seedtopk" + std::to_string(k), double(logits.bytes) / double(1 << 30), ms, last_floor_ms_,
+            double(logits.bytes) / double(1 << 30), repeats_, last_clocks_};
+  }
+
   static constexpr int kTeacherK = 64;
   static constexpr int kTopkMax = 2048;
 
@@ -1141,7 +1266,7 @@ int run(int argc, char** argv) {
   // not at all: the ratios then read as plain milliseconds).
   auto floor_count = [&](const std::string& mode) {
     if (!with_floor) return 0;
-    return mode == "forward" || mode.rfind("topk", 0) == 0 ? 1 : mode == "dx_only" ? 2 : 3;
+    return mode == "forward" || mode.find("topk") != std::string::npos ? 1 : mode == "dx_only" ? 2 : 3;
   };
   std::vector<Row> rows;
   for (const std::string& c : split(chunks)) bench.chunked_products(std::stoll(c));
@@ -1165,6 +1290,8 @@ int run(int argc, char** argv) {
   for (const std::string& mode : split(modes)) {
     if (mode.rfind("topk", 0) == 0 && mode != "topk")
       report(bench.topk_mode(std::stoll(mode.substr(4)), mode_budget, floor_count(mode)));
+    else if (mode.rfind("seedtopk", 0) == 0)
+      report(bench.seed_topk_mode(std::stoll(mode.substr(8)), 2048, floor_count(mode)));
     else
       report(bench.loss_mode(mode, mode_budget, floor_count(mode)));
   }
