@@ -41,7 +41,7 @@ echo "host libraries: $(ls "$BUILD/extra-lib" | tr '\n' ' ')"
 
 if [ -n "$PACK" ]; then
   tar cf "$PACK" "$BUILD"/src/liblmloss.so* "$BUILD"/tests/test_* "$BUILD"/tools/lmloss \
-    "$BUILD"/tools/bench_cuda_modes "$BUILD"/extra-lib
+    "$BUILD"/tools/bench_cuda_modes "$BUILD"/examples/example_cuda_step "$BUILD"/extra-lib
   echo "packed: $PACK ($(du -h "$PACK" | cut -f1))"
 fi
 

@@ -91,6 +91,12 @@ if has_stage tests; then
     note "tests   $name rc=$rc $summary"
     [ $rc -ne 0 ] && { FAILED=1; grep -E 'Failure|error|FAILED' "$OUT/$name.log" | head -20; }
   done
+  if [ -x "$BUILD/examples/example_cuda_step" ]; then
+    run "$BUILD/examples/example_cuda_step" > "$OUT/example_cuda_step.log" 2>&1
+    rc=$?
+    note "example example_cuda_step rc=$rc $(tail -1 "$OUT/example_cuda_step.log")"
+    [ $rc -ne 0 ] && FAILED=1
+  fi
   if [ -x "$BUILD/tools/lmloss" ]; then
     run "$BUILD/tools/lmloss" check --backend cuda > "$OUT/check.log" 2>&1
     note "check   lmloss check --backend cuda rc=$? $(tail -1 "$OUT/check.log")"
