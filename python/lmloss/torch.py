@@ -4,6 +4,8 @@
     loss = lt.linear_cross_entropy(hidden, model.lm_head.weight, labels)   # hidden [B, T, H]
     loss.backward()                                                        # grads to hidden, weight
 
+Under torch.autocast the head's product takes autocast's dtype, as F.linear's would.
+
 The losses are torch.library custom ops with fake implementations, so torch.compile
 (fullgraph=True) traces them without a graph break; called eagerly, the same functions run
 through torch.autograd.Function, without the custom ops' Python dispatch. They run on the tensors'
@@ -481,6 +483,18 @@ def _loss(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, toke
     return loss.reshape(batch) if opts["reduction"] == "none" else loss
 
 
+def _autocast(*tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """The head's tensors as F.linear takes them under torch.autocast for their device: floating
+    ones but float64 cast to autocast's dtype (the gradients flow back through the casts into
+    the tensors' own dtypes); as they are outside it."""
+    lead = tensors[0]
+    if not isinstance(lead, Tensor) or not torch.is_autocast_enabled(lead.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(lead.device.type)
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point()
+                 and t.dtype not in (dtype, torch.float64) else t for t in tensors)
+
+
 def _lead_rows(t, name: str):
     if not isinstance(t, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -512,10 +526,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                          normalizer: Optional[float] = None) -> Tensor:
     """Cross-entropy of hidden @ weight.T (+ bias) against labels, without the full logits.
     hidden [..., H], weight [V, H] (nn.Linear layout), labels [...]; differentiable in hidden,
-    weight and bias."""
+    weight and bias. Under torch.autocast the product takes autocast's dtype, as F.linear's."""
     opts = _api.loss_options(reduction=reduction, ignore_index=ignore_index,
                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                              temperature=temperature, normalizer=normalizer)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     x, batch = _lead_rows(hidden, "hidden")
     y = _check_batched(labels, "labels", batch, "hidden")
     return _loss(None, x, weight, bias, y, None, None, None, opts, batch)
@@ -530,11 +545,13 @@ def linear_distill(hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_
                    reduction: str = "mean", normalizer: Optional[float] = None) -> Tensor:
     """Top-k distillation (+ ce_weight * cross-entropy) through the head, without the full
     logits. teacher_ids/teacher_probs [..., k]; teacher_probs are cast to float32 (float64 for
-    float64 inputs) and get no gradient."""
+    float64 inputs) and get no gradient. Under torch.autocast the product takes autocast's
+    dtype, as F.linear's."""
     opts = _api.loss_options(reduction=reduction, ignore_index=ignore_index,
                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                              temperature=temperature, normalizer=normalizer,
                              ce_weight=ce_weight, kd_weight=kd_weight)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     x, batch = _lead_rows(hidden, "hidden")
     ids = _check_batched(teacher_ids, "teacher_ids", batch, "hidden", extra=True)
     probs = _check_batched(teacher_probs, "teacher_probs", batch, "hidden", extra=True)

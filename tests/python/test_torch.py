@@ -188,6 +188,31 @@ def assert_within_an_ulp(a, b):
 
 
 @pytest.mark.parametrize("device", ARRAY_DEVICES)
+def test_autocast_takes_the_product_in_its_dtype(device):
+    """Under torch.autocast a float32 head runs as F.linear would, in autocast's dtype: the loss
+    and, cast back to float32, the gradients of the same call on bf16 copies. A bf16 hidden with
+    the float32 head runs so too; outside autocast that mix is refused."""
+    x, w, b, y = linear_inputs(dtype=torch.float32, device=device, batch=(4, 8), v=300, h=32)
+    ids = y.clamp(min=0)[..., None]  # a teacher's top-1
+    ones = torch.ones(ids.shape, dtype=torch.float32, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss = lt.linear_cross_entropy(x, w, y, bias=b)
+        distill = lt.linear_distill(x, w, ids, ones)
+    loss.backward()
+    xb, wb, bb = leaf(x.bfloat16()), leaf(w.bfloat16()), leaf(b.bfloat16())
+    want = lt.linear_cross_entropy(xb, wb, y, bias=bb)
+    want.backward()
+    assert loss.dtype == torch.float32 and torch.equal(loss, want)
+    for got, ref in ((x.grad, xb.grad), (w.grad, wb.grad), (b.grad, bb.grad)):
+        assert got.dtype == torch.float32 and torch.equal(got, ref.float())
+    assert torch.equal(distill, lt.linear_distill(xb, wb, ids, ones))
+    with torch.autocast(device, dtype=torch.bfloat16):
+        assert torch.equal(lt.linear_cross_entropy(xb.detach(), w, y, bias=b), want)
+    with pytest.raises(TypeError, match="weight"):
+        lt.linear_cross_entropy(xb, w, y)
+
+
+@pytest.mark.parametrize("device", ARRAY_DEVICES)
 def test_plain_api_sums_a_bf16_weight_gradient_once(device):
     """The plain API's bf16 grad_weight and grad_bias over many chunks of tokens are their float32
     sums rounded once: no further from float64 than the float64 sums rounded to bf16 (rounded
