@@ -138,6 +138,98 @@ TEST_P(Edge, NothingCountedGivesExactZeros) {
   for (double x : c.grad_logits.values()) ASSERT_EQ(x, 0.0);
 }
 
+// A call over no tokens (an empty batch) computes nothing and succeeds: a reduced loss is 0, as
+// when nothing is counted, the weight and bias gradients 0 (their poison overwritten) unless added
+// to, a kept f32 sum 0 and rounded to 0, and top-k and the gradient scaling have no rows to write.
+// Empty tensors still take a non-null address (a null one means absent), here one nothing reads.
+TEST_P(Edge, NoTokens) {
+  const int64_t vocab = 40, hidden = 8;
+  Generator gen(305);
+  const reference::Problem p = gen.problem({.n_tokens = 1, .vocab = vocab, .hidden = hidden, .bias = true});
+  for (const lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+    Buffer w = Buffer::of_values(GetParam(), dtype, p.weight, 2, vocab, hidden);
+    Buffer b = Buffer::of_values(GetParam(), dtype, p.bias, 1, vocab);
+    w.upload();
+    b.upload();
+    // An empty tensor: rows of nothing at an address nothing reads.
+    auto empty = [&](lmloss_dtype dt, int ndim, int64_t cols = 0) {
+      lmloss_tensor t = w.tensor();
+      t.dtype = dt;
+      t.ndim = ndim;
+      t.shape[0] = 0;
+      t.shape[1] = ndim == 2 ? cols : 0;
+      t.stride = 0;
+      return t;
+    };
+    const lmloss_dtype compute = compute_dtype(dtype);
+    const lmloss_head head{lmloss_tensor_none(), empty(dtype, 2, hidden), w.tensor(), b.tensor()};
+    const lmloss_targets targets{empty(LMLOSS_I64, 1), lmloss_tensor_none(), lmloss_tensor_none(), lmloss_tensor_none()};
+    for (const lmloss_reduction reduction : {LMLOSS_REDUCTION_MEAN, LMLOSS_REDUCTION_SUM, LMLOSS_REDUCTION_NONE}) {
+      for (const bool accumulate : {false, true}) {
+        SCOPED_TRACE(cat(dtype_name(dtype), " reduction ", reduction, accumulate ? " accumulating" : ""));
+        lmloss_loss_options o = some_options();
+        o.reduction = reduction;
+        if (accumulate) o.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT | LMLOSS_ACCUMULATE_GRAD_BIAS;
+        Buffer loss(GetParam(), compute, 0, 1), gw(GetParam(), LMLOSS_F32, 2, vocab, hidden),
+            gb(GetParam(), LMLOSS_F32, 1, vocab);
+        const std::vector<double> initial(size_t(vocab * hidden), 0.25);
+        for (Buffer* g : {&loss, &gw, &gb}) g->poison();
+        if (accumulate) {
+          gw.fill(initial);
+          gb.fill(std::vector<double>(size_t(vocab), 0.5));
+        }
+        for (Buffer* g : {&loss, &gw, &gb}) g->upload();
+        const bool reduced = reduction != LMLOSS_REDUCTION_NONE;
+        const lmloss_tensor loss_t = reduced ? loss.tensor() : empty(compute, 1), lse_t = empty(compute, 1);
+        const lmloss_tensor grad_loss = reduced ? lmloss_tensor_none() : empty(compute, 1);
+        const lmloss_grads grads{lmloss_tensor_none(), empty(dtype, 2, hidden), gw.tensor(), gb.tensor()};
+        ASSERT_EQ(lmloss_loss_forward_backward(ctx.get(), &head, &targets, &o, &grad_loss, &loss_t, &lse_t, &grads),
+                  LMLOSS_SUCCESS)
+            << lmloss_last_error();
+        ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS);
+        for (Buffer* g : {&loss, &gw, &gb}) g->download();
+        if (reduced) {
+          EXPECT_EQ(loss.get(0), 0.0);
+        }
+        EXPECT_EQ(gw.values(), accumulate ? initial : std::vector<double>(initial.size(), 0.0));
+        EXPECT_EQ(gb.values(), std::vector<double>(size_t(vocab), accumulate ? 0.5 : 0.0));
+        ASSERT_EQ(lmloss_loss_forward(ctx.get(), &head, &targets, &o, &loss_t, &lse_t), LMLOSS_SUCCESS)
+            << lmloss_last_error();
+        ASSERT_EQ(lmloss_loss_backward(ctx.get(), &head, &targets, &o, &lse_t, &grad_loss, &grads), LMLOSS_SUCCESS)
+            << lmloss_last_error();
+      }
+    }
+    if (dtype == LMLOSS_BF16) {  // a kept f32 sum over no tokens, rounded
+      const int64_t tail_rows = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab);
+      Buffer gw(GetParam(), dtype, 2, vocab, hidden), tail(GetParam(), LMLOSS_F32, 2, tail_rows, hidden);
+      gw.poison();
+      tail.poison();
+      gw.upload();
+      tail.upload();
+      lmloss_loss_options o = some_options();
+      o.grad_weight_sum_tail = tail.tensor();
+      Buffer loss(GetParam(), LMLOSS_F32, 0, 1);
+      const lmloss_tensor loss_t = loss.tensor(), lse_t = lmloss_tensor_none();
+      const lmloss_grads grads{lmloss_tensor_none(), lmloss_tensor_none(), gw.tensor(), lmloss_tensor_none()};
+      ASSERT_EQ(lmloss_loss_forward_backward(ctx.get(), &head, &targets, &o, nullptr, &loss_t, &lse_t, &grads),
+                LMLOSS_SUCCESS)
+          << lmloss_last_error();
+      const lmloss_tensor gw_t = gw.tensor(), tail_t = tail.tensor();
+      ASSERT_EQ(lmloss_round_grad_weight(ctx.get(), &gw_t, &tail_t, nullptr), LMLOSS_SUCCESS) << lmloss_last_error();
+      ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS);
+      gw.download();
+      EXPECT_EQ(gw.values(), std::vector<double>(size_t(vocab * hidden), 0.0));
+    }
+    // Top-k and the gradient scaling over no rows.
+    lmloss_topk_options t = lmloss_topk_options_default();
+    t.k = 3;
+    const lmloss_tensor ids = empty(LMLOSS_I32, 2, 3), probs = empty(compute, 2, 3);
+    EXPECT_EQ(lmloss_topk(ctx.get(), &head, &t, &ids, &probs, nullptr), LMLOSS_SUCCESS) << lmloss_last_error();
+    const lmloss_tensor rows = empty(dtype, 2, hidden);
+    EXPECT_EQ(lmloss_scale_gradient(ctx.get(), &rows, nullptr, &rows), LMLOSS_SUCCESS) << lmloss_last_error();
+  }
+}
+
 TEST_P(Edge, HugeLogitsStayFinite) {
   Generator gen(305);
   for (lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16, LMLOSS_F16}) {

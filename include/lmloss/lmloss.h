@@ -79,7 +79,7 @@ typedef enum lmloss_device_type {
 } lmloss_device_type;
 
 typedef struct lmloss_tensor {
-  void* data;                     /* NULL: the argument is absent */
+  void* data;                     /* NULL: the argument is absent (an empty one: any non-NULL) */
   lmloss_dtype dtype;
   int32_t ndim;                   /* 0, 1 or 2 */
   int64_t shape[2];

@@ -41,6 +41,23 @@ lmloss_status guarded(Body&& body) {
   }
 }
 
+// A call over no tokens computes nothing. A reduced loss is 0, as when every token is uncounted;
+// the weight and bias gradients are 0 unless added to (a kept f32 sum, over grad_weight's bytes
+// and the tail, is 0 as zero bytes too); the per-token outputs have no rows.
+lmloss_status run_without_tokens(Backend& backend, lmloss_context& context, const LossCall& call) {
+  const uint32_t flags = call.options.flags;
+  if (call.mode != Mode::backward && call.options.reduction != LMLOSS_REDUCTION_NONE)
+    LMLOSS_CHECK(backend.zero(context, call.loss));
+  if (!call.wants_grads()) return LMLOSS_SUCCESS;
+  const lmloss_grads& g = call.grads;
+  if (g.grad_weight.data && !(flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT)) {
+    LMLOSS_CHECK(backend.zero(context, g.grad_weight));
+    if (call.options.grad_weight_sum_tail.data) LMLOSS_CHECK(backend.zero(context, call.options.grad_weight_sum_tail));
+  }
+  if (g.grad_bias.data && !(flags & LMLOSS_ACCUMULATE_GRAD_BIAS)) LMLOSS_CHECK(backend.zero(context, g.grad_bias));
+  return LMLOSS_SUCCESS;
+}
+
 lmloss_status run_loss(lmloss_context* context, Mode mode, const lmloss_head* head,
                        const lmloss_targets* targets, const lmloss_loss_options* options,
                        const lmloss_tensor* loss, const lmloss_tensor* lse,
@@ -51,6 +68,10 @@ lmloss_status run_loss(lmloss_context* context, Mode mode, const lmloss_head* he
     LMLOSS_CHECK(validate_loss(mode, head, targets, options, loss, lse, grad_loss, grads, call));
     Backend* backend = nullptr;
     LMLOSS_CHECK(choose_backend(call.device_type, backend));
+    if (call.n_tokens == 0) {
+      LMLOSS_CHECK(run_without_tokens(*backend, *context, call));
+      return succeed();
+    }
     LMLOSS_CHECK(backend->check(*context, call));
     LMLOSS_CHECK(backend->run(*context, call));
     return succeed();
@@ -210,6 +231,7 @@ lmloss_status lmloss_topk(lmloss_context* context, const lmloss_head* head,
     LMLOSS_CHECK(validate_topk(head, options, ids, probs, tail, call));
     Backend* backend = nullptr;
     LMLOSS_CHECK(choose_backend(call.device_type, backend));
+    if (call.n_tokens == 0) return succeed();  // no rows to write
     LMLOSS_CHECK(backend->check(*context, call));
     LMLOSS_CHECK(backend->run(*context, call));
     return succeed();

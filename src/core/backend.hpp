@@ -131,6 +131,9 @@ class Backend {
   virtual lmloss_status run(lmloss_context& context, const TopkCall& call) = 0;
   virtual lmloss_status run(lmloss_context& context, const ScaleCall& call) = 0;
   virtual lmloss_status run(lmloss_context& context, const WeightSumCall& call) = 0;
+  // Every element of `t` (rank 0 to 2, its row stride kept) set to zero bytes, on the context's
+  // stream: the outputs of a call over no tokens.
+  virtual lmloss_status zero(lmloss_context& context, const lmloss_tensor& t) = 0;
   // lmloss_context_synchronize: wait for queued work, report device-side errors.
   virtual lmloss_status synchronize(lmloss_context& context) = 0;
 };

@@ -131,7 +131,6 @@ lmloss_status check_head(const lmloss_head& head, Call& call) {
         return invalid("head.bias", std::string("dtype ") + dtype_name(head.bias.dtype) + " differs from head.hidden's " + dtype_name(x.dtype));
     }
   }
-  if (call.n_tokens < 1) return invalid(call.linear ? "head.hidden" : "head.logits", "needs at least one token");
   if (call.vocab < 1) return invalid(call.linear ? "head.weight" : "head.logits", "vocabulary must have at least one entry");
   call.head = head;
   call.compute_dtype = compute_dtype_of(call.input_dtype);

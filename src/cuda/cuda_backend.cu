@@ -1523,6 +1523,16 @@ class CudaBackend final : public core::Backend {
                             static_cast<cudaStream_t>(context.stream));
   }
 
+  lmloss_status zero(lmloss_context& context, const lmloss_tensor& t) override {
+    DeviceGuard guard(t.device_index);
+    const int64_t rows = t.ndim == 2 ? t.shape[0] : 1;
+    const int64_t cols = t.ndim == 2 ? t.shape[1] : t.ndim == 1 ? t.shape[0] : 1;
+    const size_t size = core::dtype_size(t.dtype);
+    LMLOSS_CUDA_TRY(cudaMemset2DAsync(t.data, size_t(t.ndim == 2 ? row_stride(t) : cols) * size, 0, size_t(cols) * size,
+                                      size_t(rows), static_cast<cudaStream_t>(context.stream)));
+    return LMLOSS_SUCCESS;
+  }
+
   lmloss_status synchronize(lmloss_context& context) override {
     auto* state = dynamic_cast<CudaState*>(context.cuda_state.get());
     if (!state) return LMLOSS_SUCCESS;
