@@ -310,7 +310,7 @@ def _inplace_rows(z: Array):
     if z.kind == "numpy":
         if not z.data.flags.writeable:
             raise ValueError("logits: is read-only; inplace_grad needs a writable array")
-        rows = z.data.reshape(-1, v)
+        rows = z.data.reshape(math.prod(z.shape[:-1]), v)
         if rows.size and not np.may_share_memory(rows, z.data):
             rows = None
     else:

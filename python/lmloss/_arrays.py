@@ -10,6 +10,7 @@ memory) or PyTorch (CUDA memory) and its results handed back through its own nam
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -76,7 +77,7 @@ class Array:
     def rows(self):
         """This array as a rank-2 (rows, last dimension) view the library can describe."""
         d = self.data
-        return _describable(d.reshape(-1, d.shape[-1]), self.kind)
+        return _describable(d.reshape(math.prod(d.shape[:-1]), d.shape[-1]), self.kind)
 
     def flat(self):
         """This array as a rank-1 contiguous vector."""

@@ -25,6 +25,7 @@ compiled backward reuses raises).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -456,7 +457,7 @@ def _check_batched(t: Optional[Tensor], name: str, batch, lead_name: str, extra:
         want = tuple(batch) + (("k",) if extra else ())
         raise ValueError(f"{name}: expected shape {want} to match the leading dimensions of "
                          f"{lead_name}, got {shape}")
-    return t.reshape(-1, shape[-1]) if extra else t.reshape(-1)
+    return t.reshape(math.prod(batch), shape[-1]) if extra else t.reshape(-1)
 
 
 def _loss(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask, opts,
@@ -500,7 +501,7 @@ def _lead_rows(t, name: str):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dim() < 1:
         raise ValueError(f"{name}: expected shape (..., {'hidden' if name == 'hidden' else 'vocab'}), got a scalar")
-    return t.reshape(-1, t.shape[-1]), tuple(t.shape[:-1])
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]), tuple(t.shape[:-1])
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,

@@ -111,17 +111,24 @@ View describe(nb::handle object, const char* name, bool writable = false) {
                                              std::to_string(ndim));
   t.ndim = int32_t(ndim);
   for (size_t d = 0; d < ndim; ++d) t.shape[d] = int64_t(a.shape(d));
-  // The library wants the last dimension contiguous; the stride of a size-1 dimension is
-  // meaningless, so it is not checked.
-  if (ndim >= 1 && a.shape(ndim - 1) > 1 && a.stride(ndim - 1) != 1)
-    raise(LMLOSS_ERROR_INVALID_ARGUMENT,
-          std::string(name) + ": the last dimension must be contiguous (stride 1), got stride " +
-              std::to_string(a.stride(ndim - 1)));
-  t.stride = (ndim == 2 && a.shape(0) > 1) ? a.stride(0) : 0;
-  if (ndim == 2 && a.shape(0) > 1 && a.stride(0) < int64_t(a.shape(1)))
-    raise(LMLOSS_ERROR_INVALID_ARGUMENT,
-          std::string(name) + ": rows overlap or run backwards (row stride " +
-              std::to_string(a.stride(0)) + ")");
+  if (a.size() == 0) {
+    // An array of no elements may have no address (PyTorch's) and any strides: nothing of it is
+    // read or written, and the library takes a null address for an absent argument.
+    static char no_elements;
+    if (!t.data) t.data = &no_elements;
+  } else {
+    // The library wants the last dimension contiguous; the stride of a size-1 dimension is
+    // meaningless, so it is not checked.
+    if (ndim >= 1 && a.shape(ndim - 1) > 1 && a.stride(ndim - 1) != 1)
+      raise(LMLOSS_ERROR_INVALID_ARGUMENT,
+            std::string(name) + ": the last dimension must be contiguous (stride 1), got stride " +
+                std::to_string(a.stride(ndim - 1)));
+    t.stride = (ndim == 2 && a.shape(0) > 1) ? a.stride(0) : 0;
+    if (ndim == 2 && a.shape(0) > 1 && a.stride(0) < int64_t(a.shape(1)))
+      raise(LMLOSS_ERROR_INVALID_ARGUMENT,
+            std::string(name) + ": rows overlap or run backwards (row stride " +
+                std::to_string(a.stride(0)) + ")");
+  }
   switch (a.device_type()) {
     case nb::device::cpu::value:
     case nb::device::cuda_host::value:  // pinned host memory: the CPU reads it directly

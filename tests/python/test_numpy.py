@@ -124,6 +124,27 @@ def test_cross_entropy_int32_labels_and_all_ignored():
     check(r.grad_logits, dz, "float64", "grad_logits")
 
 
+def test_an_empty_batch():
+    """No tokens: the reduced loss 0, the weight and bias gradients 0, the per-token outputs and
+    top-k empty (arrays of no elements go in, whatever their strides)."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((50, 16)).astype(np.float32)
+    b = rng.standard_normal(50).astype(np.float32)
+    x, y = np.zeros((3, 0, 16), np.float32), np.zeros((3, 0), np.int64)
+    for reduction in ("mean", "sum", "none"):
+        r = lmloss.linear_cross_entropy(x, w, y, bias=b, reduction=reduction, grad=True)
+        if reduction == "none":
+            assert r.loss.shape == (3, 0)
+        else:
+            assert r.loss == 0.0
+        assert r.lse.shape == (3, 0) and r.grad_hidden.shape == (3, 0, 16)
+        assert not r.grad_weight.any() and not r.grad_bias.any()
+    r = lmloss.cross_entropy(np.zeros((0, 50), np.float32), np.zeros(0, np.int32), grad=True)
+    assert r.loss == 0.0 and r.grad_logits.shape == (0, 50)
+    t = lmloss.topk(x, w, 4)
+    assert t.ids.shape == (3, 0, 4) and t.probs.shape == (3, 0, 4) and t.tail.shape == (3, 0)
+
+
 def test_cross_entropy_large_vocabulary():
     rng = np.random.default_rng(5)
     z = make_logits(rng, 3, 50257, np.float32)

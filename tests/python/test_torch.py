@@ -188,6 +188,29 @@ def assert_within_an_ulp(a, b):
 
 
 @pytest.mark.parametrize("device", ARRAY_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_an_empty_batch(device, dtype, reduction):
+    """No tokens: a loss of 0 (empty for "none") whose backward gives the head zero gradients,
+    for cross-entropy and distillation, with a bias, in leading dimensions of no size."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(50, 16, generator=g).to(device, dtype).requires_grad_(True)
+    b = torch.randn(50, generator=g).to(device, dtype).requires_grad_(True)
+    x = torch.zeros(2, 0, 16, device=device, dtype=dtype, requires_grad=True)
+    y = torch.zeros(2, 0, dtype=torch.int64, device=device)
+    ids = torch.zeros(2, 0, 4, dtype=torch.int64, device=device)
+    losses = (lt.linear_cross_entropy(x, w, y, bias=b, reduction=reduction),
+              lt.linear_distill(x, w, ids, ids.float(), bias=b, reduction=reduction))
+    for loss in losses:
+        assert loss.shape == ((2, 0) if reduction == "none" else ())
+        assert loss.dtype == torch.float32 and not loss.detach().any()
+        w.grad = b.grad = x.grad = None
+        loss.sum().backward()
+        assert x.grad.shape == x.shape and w.grad.dtype == dtype and b.grad.dtype == dtype
+        assert not w.grad.any() and not b.grad.any()
+
+
+@pytest.mark.parametrize("device", ARRAY_DEVICES)
 def test_autocast_takes_the_product_in_its_dtype(device):
     """Under torch.autocast a float32 head runs as F.linear would, in autocast's dtype: the loss
     and, cast back to float32, the gradients of the same call on bf16 copies. A bf16 hidden with
