@@ -106,11 +106,24 @@ def _describable(d, kind):
     return d if ok else d.contiguous()
 
 
+def check_not_sharded(x, name: str) -> None:
+    """Raises TypeError for a DTensor: its memory holds a shard (or none), not the tensor."""
+    torch = _torch()
+    dtensor = getattr(getattr(getattr(torch, "distributed", None), "tensor", None), "DTensor", None)
+    if dtensor is not None and isinstance(x, dtensor):
+        raise TypeError(
+            f"{name}: a DTensor (sharded, as by FSDP or tensor parallelism); lmloss needs the whole "
+            "tensor: under FSDP call the loss inside the forward of the module that owns the head, "
+            "where FSDP has gathered its weight"
+        )
+
+
 def as_array(x, name: str) -> Array:
     """Recognises one array argument, or raises TypeError naming it."""
     if isinstance(x, np.ndarray):
         return Array(name, x, "numpy", _identity)
     if _is_torch_tensor(x):
+        check_not_sharded(x, name)
         # Autograd is the torch layer's business; the raw call reads and writes memory only.
         return Array(name, x.detach(), "torch", _identity)
     if isinstance(x, np.generic):

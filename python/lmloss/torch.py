@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import _api
+from ._arrays import check_not_sharded
 
 __all__ = [
     "cross_entropy",
@@ -464,6 +465,8 @@ def _loss(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, toke
           batch):
     """Runs the right op for the options and what needs a gradient; the loss reshaped to the
     tokens' leading dimensions for reduction "none"."""
+    for t, name in ((logits, "logits"), (hidden, "hidden"), (weight, "weight"), (bias, "bias")):
+        check_not_sharded(t, name)
     want = _wants(logits, hidden, weight, bias)
     option_values = (opts["reduction"], opts["ignore_index"], opts["normalizer"],
                      opts["ce_weight"], opts["kd_weight"], opts["label_smoothing"],

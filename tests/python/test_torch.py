@@ -677,3 +677,41 @@ def test_cuda_compiled_with_cuda_graphs():
         got = (loss.detach().clone(), x.grad.clone(), w.grad.clone())
         assert_same_step(got, eager_step(x0, w0, y0))
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_fsdp_head_is_taken_inside_its_module():
+    """Under FSDP2 the head's weight is a sharded DTensor outside its module's forward: given it,
+    the loss raises a TypeError that says where to call it; called inside that forward (where FSDP
+    gathers the weight) it gives the plain head's loss and gradients. One process, gloo."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("PyTorch without torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    class Head(torch.nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight.clone())
+
+        def forward(self, hidden, labels):
+            return lt.linear_cross_entropy(hidden, self.weight, labels)
+
+    x, w, _, y = linear_inputs(dtype=torch.float32)
+    want = lt.linear_cross_entropy(x, w, y)
+    want.backward()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        head = Head(w.detach())
+        fsdp.fully_shard(head, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(TypeError, match="weight: a DTensor"):
+            lt.linear_cross_entropy(x, head.weight, y)
+        with pytest.raises(TypeError, match="weight: a DTensor"):
+            lmloss.linear_cross_entropy(x.detach(), head.weight, y)
+        xs = leaf(x)
+        loss = head(xs, y)
+        loss.backward()
+        assert torch.equal(loss, want) and torch.equal(xs.grad, x.grad)
+        assert torch.equal(head.weight.grad.full_tensor(), w.grad)
+    finally:
+        dist.destroy_process_group()
