@@ -126,6 +126,10 @@ inline int64_t row_stride(const lmloss_tensor& t) {
   return t.ndim == 2 ? t.shape[1] : 1;
 }
 
+// A tensor of rank 0 to 2 as rows: a matrix's, or one row (a vector's elements, a scalar).
+inline int64_t row_count(const lmloss_tensor& t) { return t.ndim == 2 ? t.shape[0] : 1; }
+inline int64_t row_length(const lmloss_tensor& t) { return t.ndim == 2 ? t.shape[1] : t.ndim == 1 ? t.shape[0] : 1; }
+
 // Address of row r (2-D) or element r (1-D) of t.
 inline const void* row_ptr(const lmloss_tensor& t, int64_t r) {
   return static_cast<const char*>(t.data) + r * row_stride(t) * int64_t(dtype_size(t.dtype));

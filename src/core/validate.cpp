@@ -422,8 +422,7 @@ lmloss_status validate_scale(const lmloss_tensor* grad, const lmloss_tensor* sca
       return invalid(t == grad ? "grad" : "out", "a vector must be contiguous (stride 0 or 1)");
   if (!is_float(out->dtype))
     return invalid("out", std::string("dtype ") + dtype_name(out->dtype) + " not allowed; expected a float dtype");
-  const int64_t rows = grad->ndim == 2 ? grad->shape[0] : 1;
-  const int64_t cols = grad->ndim == 2 ? grad->shape[1] : grad->ndim == 1 ? grad->shape[0] : 1;
+  const int64_t rows = row_count(*grad), cols = row_length(*grad);
   const bool same_shape = out->ndim == grad->ndim && (grad->ndim < 1 || out->shape[0] == grad->shape[0]) &&
                           (grad->ndim < 2 || out->shape[1] == grad->shape[1]);
   if (!same_shape) return invalid("out", "expected grad's shape " + shape_string(*grad) + ", got " + shape_string(*out));

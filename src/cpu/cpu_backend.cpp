@@ -747,10 +747,8 @@ class CpuBackend final : public core::Backend {
   }
 
   lmloss_status zero(lmloss_context&, const lmloss_tensor& t) override {
-    const int64_t rows = t.ndim == 2 ? t.shape[0] : 1;
-    const int64_t cols = t.ndim == 2 ? t.shape[1] : t.ndim == 1 ? t.shape[0] : 1;
-    for (int64_t r = 0; r < rows; ++r)
-      std::memset(core::row_ptr_mut(t, r), 0, size_t(cols) * core::dtype_size(t.dtype));
+    for (int64_t r = 0; r < core::row_count(t); ++r)
+      std::memset(core::row_ptr_mut(t, r), 0, size_t(core::row_length(t)) * core::dtype_size(t.dtype));
     return core::succeed();
   }
 

@@ -144,12 +144,12 @@ class DeviceGuard {
 
 // The context's state on `device`, made by its first CUDA call. Making it allocates and sets device
 // memory and creates handles and a stream, none of which a CUDA graph can capture: a first call
-// under capture is refused, saying so. Later calls enqueue only stream-ordered work (kernels,
+// under capture (on the context's stream) is refused, saying so. Later calls enqueue only stream-ordered work (kernels,
 // products, the workspace's stream-ordered allocation, the side stream forked and joined by
 // events), so a caller may capture them.
-lmloss_status get_state(lmloss_context& context, int device, cudaStream_t stream, CudaState** out) {
+lmloss_status get_state(lmloss_context& context, int device, CudaState** out) {
   if (!context.cuda_state) {
-    LMLOSS_CHECK(refuse_under_capture(stream,
+    LMLOSS_CHECK(refuse_under_capture(static_cast<cudaStream_t>(context.stream),
                                       "context: its first CUDA call makes its handles and cannot be captured "
                                       "into a CUDA graph; make one call on the context before capturing"));
     auto state = std::make_unique<CudaState>();
@@ -1356,7 +1356,7 @@ class CudaBackend final : public core::Backend {
   lmloss_status run(lmloss_context& context, const core::LossCall& call) override {
     DeviceGuard guard(call.device_index);
     CudaState* state = nullptr;
-    LMLOSS_CHECK(get_state(context, call.device_index, static_cast<cudaStream_t>(context.stream), &state));
+    LMLOSS_CHECK(get_state(context, call.device_index, &state));
     const LossPlan plan = plan_loss(context, call);
     if (plan.chunk_rows == 0) return budget_error(context, plan.layout.total(1));
     LossRun r{context, call, *state, static_cast<cudaStream_t>(context.stream)};
@@ -1366,7 +1366,7 @@ class CudaBackend final : public core::Backend {
   lmloss_status run(lmloss_context& context, const core::TopkCall& call) override {
     DeviceGuard guard(call.device_index);
     CudaState* state = nullptr;
-    LMLOSS_CHECK(get_state(context, call.device_index, static_cast<cudaStream_t>(context.stream), &state));
+    LMLOSS_CHECK(get_state(context, call.device_index, &state));
     const TopkPlan plan = plan_topk(context, call);
     const int64_t k = call.options.k;
     if (plan.chunk_rows == 0) return budget_error(context, plan.layout.total(1));
@@ -1525,11 +1525,10 @@ class CudaBackend final : public core::Backend {
 
   lmloss_status zero(lmloss_context& context, const lmloss_tensor& t) override {
     DeviceGuard guard(t.device_index);
-    const int64_t rows = t.ndim == 2 ? t.shape[0] : 1;
-    const int64_t cols = t.ndim == 2 ? t.shape[1] : t.ndim == 1 ? t.shape[0] : 1;
-    const size_t size = core::dtype_size(t.dtype);
-    LMLOSS_CUDA_TRY(cudaMemset2DAsync(t.data, size_t(t.ndim == 2 ? row_stride(t) : cols) * size, 0, size_t(cols) * size,
-                                      size_t(rows), static_cast<cudaStream_t>(context.stream)));
+    const size_t size = core::dtype_size(t.dtype), width = size_t(core::row_length(t)) * size;
+    const size_t pitch = t.ndim == 2 ? size_t(row_stride(t)) * size : width;
+    LMLOSS_CUDA_TRY(cudaMemset2DAsync(t.data, pitch, 0, width, size_t(core::row_count(t)),
+                                      static_cast<cudaStream_t>(context.stream)));
     return LMLOSS_SUCCESS;
   }
 
