@@ -462,9 +462,10 @@ def _check_batched(t: Optional[Tensor], name: str, batch, lead_name: str, extra:
 
 
 def _loss(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask, opts,
-          batch):
+          batch, return_lse=False):
     """Runs the right op for the options and what needs a gradient; the loss reshaped to the
-    tokens' leading dimensions for reduction "none"."""
+    tokens' leading dimensions for reduction "none", and with return_lse the tokens'
+    log-sum-exp so shaped beside it."""
     for t, name in ((logits, "logits"), (hidden, "hidden"), (weight, "weight"), (bias, "bias")):
         check_not_sharded(t, name)
     want = _wants(logits, hidden, weight, bias)
@@ -477,14 +478,16 @@ def _loss(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, toke
         # A 16-bit weight's gradient is summed in float32 over its own bytes and a tail and
         # rounded there in backward.
         step = _loss_forward_backward if traced else _EagerForwardBackward.apply
-        loss = step(*args, *option_values, *want, _KEEP_WEIGHT_SUM)[0]
+        loss, lse = step(*args, *option_values, *want, _KEEP_WEIGHT_SUM)[:2]
     elif traced:
-        loss = _loss_forward(*args, *option_values)[0]
+        loss, lse = _loss_forward(*args, *option_values)
     elif any(want):
-        loss = _EagerForward.apply(*args, *option_values)[0]
+        loss, lse = _EagerForward.apply(*args, *option_values)
     else:
-        loss = _loss_forward_impl(*args, *option_values)[0]
-    return loss.reshape(batch) if opts["reduction"] == "none" else loss
+        loss, lse = _loss_forward_impl(*args, *option_values)
+    if opts["reduction"] == "none":
+        loss = loss.reshape(batch)
+    return (loss, lse.reshape(batch)) if return_lse else loss
 
 
 def _autocast(*tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
@@ -510,34 +513,36 @@ def _lead_rows(t, name: str):
 def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
                   softcap: Optional[float] = None, temperature: float = 1.0,
-                  normalizer: Optional[float] = None) -> Tensor:
+                  normalizer: Optional[float] = None, return_lse: bool = False):
     """Cross-entropy of logits [..., V] against labels [...]; differentiable in logits. As
     torch.nn.functional.cross_entropy with the class dimension last, plus z-loss, soft-capping,
-    temperature and a caller-given normalizer for "mean"."""
+    temperature and a caller-given normalizer for "mean". With return_lse, (loss, lse): lse [...]
+    the log-sum-exp of each token's scaled logits (no gradient), for logging a z-loss, say."""
     opts = _api.loss_options(reduction=reduction, ignore_index=ignore_index,
                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                              temperature=temperature, normalizer=normalizer)
     z, batch = _lead_rows(logits, "logits")
     y = _check_batched(labels, "labels", batch, "logits")
-    return _loss(z, None, None, None, y, None, None, None, opts, batch)
+    return _loss(z, None, None, None, y, None, None, None, opts, batch, return_lse)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *,
                          bias: Optional[Tensor] = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: Optional[float] = None,
-                         temperature: float = 1.0,
-                         normalizer: Optional[float] = None) -> Tensor:
+                         temperature: float = 1.0, normalizer: Optional[float] = None,
+                         return_lse: bool = False):
     """Cross-entropy of hidden @ weight.T (+ bias) against labels, without the full logits.
     hidden [..., H], weight [V, H] (nn.Linear layout), labels [...]; differentiable in hidden,
-    weight and bias. Under torch.autocast the product takes autocast's dtype, as F.linear's."""
+    weight and bias. Under torch.autocast the product takes autocast's dtype, as F.linear's.
+    With return_lse, (loss, lse) as cross_entropy's."""
     opts = _api.loss_options(reduction=reduction, ignore_index=ignore_index,
                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                              temperature=temperature, normalizer=normalizer)
     hidden, weight, bias = _autocast(hidden, weight, bias)
     x, batch = _lead_rows(hidden, "hidden")
     y = _check_batched(labels, "labels", batch, "hidden")
-    return _loss(None, x, weight, bias, y, None, None, None, opts, batch)
+    return _loss(None, x, weight, bias, y, None, None, None, opts, batch, return_lse)
 
 
 def linear_distill(hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_probs: Tensor,
@@ -546,11 +551,12 @@ def linear_distill(hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_
                    kd_weight: float = 1.0, ignore_index: int = -100,
                    label_smoothing: float = 0.0, z_loss: float = 0.0,
                    softcap: Optional[float] = None, temperature: float = 1.0,
-                   reduction: str = "mean", normalizer: Optional[float] = None) -> Tensor:
+                   reduction: str = "mean", normalizer: Optional[float] = None,
+                   return_lse: bool = False):
     """Top-k distillation (+ ce_weight * cross-entropy) through the head, without the full
     logits. teacher_ids/teacher_probs [..., k]; teacher_probs are cast to float32 (float64 for
     float64 inputs) and get no gradient. Under torch.autocast the product takes autocast's
-    dtype, as F.linear's."""
+    dtype, as F.linear's. With return_lse, (loss, lse) as cross_entropy's."""
     opts = _api.loss_options(reduction=reduction, ignore_index=ignore_index,
                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                              temperature=temperature, normalizer=normalizer,
@@ -566,7 +572,7 @@ def linear_distill(hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_
         probs = probs.detach().to(_compute_dtype(hidden.dtype))
     y = _check_batched(labels, "labels", batch, "hidden")
     mask = _check_batched(token_mask, "token_mask", batch, "hidden")
-    return _loss(None, x, weight, bias, y, ids, probs, mask, opts, batch)
+    return _loss(None, x, weight, bias, y, ids, probs, mask, opts, batch, return_lse)
 
 
 # ---- Modules ---------------------------------------------------------------------------------

@@ -187,6 +187,28 @@ def assert_within_an_ulp(a, b):
     assert ulps.max().item() <= 1 and (ulps > 0).sum().item() <= ulps.numel() // 100
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_return_lse_gives_each_tokens_log_sum_exp(reduction):
+    """return_lse=True adds the log-sum-exp of each token's scaled logits (soft-capped, over the
+    temperature), without gradient, beside the same loss, whose backward is unchanged; for the
+    three losses."""
+    x, w, b, y = linear_inputs()
+    opts = dict(reduction=reduction, softcap=3.0, temperature=1.5)
+    loss, lse = lt.linear_cross_entropy(x, w, y, bias=b, return_lse=True, **opts)
+    s = 3.0 * torch.tanh((x @ w.T + b) / 3.0) / 1.5
+    assert lse.shape == y.shape and not lse.requires_grad
+    assert_close(lse, torch.logsumexp(s, -1), "float64", "lse")
+    assert torch.equal(loss, lt.linear_cross_entropy(x, w, y, bias=b, **opts))
+    loss.sum().backward()
+    assert x.grad is not None and w.grad is not None
+    _, lse_logits = lt.cross_entropy(x @ w.T + b, y, return_lse=True, **opts)
+    assert_close(lse_logits, lse, "float64", "lse from logits")
+    ids = y.clamp(min=0)[..., None]
+    _, lse_distill = lt.linear_distill(x, w, ids, torch.ones(ids.shape, dtype=torch.float64),
+                                       bias=b, return_lse=True, **opts)
+    assert_close(lse_distill, lse, "float64", "lse of distillation")
+
+
 @pytest.mark.parametrize("device", ARRAY_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
