@@ -737,3 +737,12 @@ def test_fsdp_head_is_taken_inside_its_module():
         assert torch.equal(head.weight.grad.full_tensor(), w.grad)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_training_example_learns():
+    """examples/torch_training.py (the docs point to it) runs and its loss falls below half."""
+    import pathlib
+    import runpy
+
+    example = pathlib.Path(__file__).resolve().parents[2] / "examples" / "torch_training.py"
+    assert runpy.run_path(str(example))["main"](steps=60) < 0.5
