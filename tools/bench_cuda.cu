@@ -1104,19 +1104,23 @@ class ModesBench {
             double(ctx.peak_workspace()) / double(1 << 30), repeats_, last_clocks_};
   }
 
-  Row topk_mode(int64_t k, size_t budget, int floor_count) {
-    Ctx ctx;
-    ctx.set_stream(stream_);
-    ctx.set_product_tuning(tune_);
-    if (budget) ctx.set_workspace_budget(budget);
+  // lmloss_topk of the head into topk_ids_ and topk_probs_, on ctx's stream.
+  void topk_into_buffers(Ctx& ctx, int64_t k) {
     const lmloss_head head = linear_head(dev_matrix(x_.ptr, dt_, n_, h_), dev_matrix(w_.ptr, dt_, v_, h_));
     lmloss_topk_options o = lmloss_topk_options_default();
     o.k = k;
     const lmloss_tensor ids = dev_matrix(topk_ids_.ptr, LMLOSS_I32, n_, k);
     const lmloss_tensor probs = dev_matrix(topk_probs_.ptr, LMLOSS_F32, n_, k);
     const lmloss_tensor none = lmloss_tensor_none();
-    const double ms =
-        time([&] { lmloss::check(lmloss_topk(ctx.get(), &head, &o, &ids, &probs, &none)); }, floor_count);
+    lmloss::check(lmloss_topk(ctx.get(), &head, &o, &ids, &probs, &none));
+  }
+
+  Row topk_mode(int64_t k, size_t budget, int floor_count) {
+    Ctx ctx;
+    ctx.set_stream(stream_);
+    ctx.set_product_tuning(tune_);
+    if (budget) ctx.set_workspace_budget(budget);
+    const double ms = time([&] { topk_into_buffers(ctx, k); }, floor_count);
     ctx.synchronize();
     return {"topk" + std::to_string(k), double(ctx.workspace_budget()) / double(1 << 30), ms, last_floor_ms_,
             double(ctx.peak_workspace()) / double(1 << 30), repeats_, last_clocks_};
@@ -1148,13 +1152,7 @@ class ModesBench {
     // Its ids beside lmloss_topk's.
     Ctx ctx;
     ctx.set_stream(stream_);
-    const lmloss_head head = linear_head(dev_matrix(x_.ptr, dt_, n_, h_), dev_matrix(w_.ptr, dt_, v_, h_));
-    lmloss_topk_options o = lmloss_topk_options_default();
-    o.k = k;
-    const lmloss_tensor exact = dev_matrix(topk_ids_.ptr, LMLOSS_I32, n_, k);
-    const lmloss_tensor exact_probs = dev_matrix(topk_probs_.ptr, LMLOSS_F32, n_, k);
-    const lmloss_tensor none = lmloss_tensor_none();
-    lmloss::check(lmloss_topk(ctx.get(), &head, &o, &exact, &exact_probs, &none));
+    topk_into_buffers(ctx, k);
     ctx.synchronize();
     std::vector<int32_t> seed(size_t(n_) * size_t(k)), ours(seed.size());
     cuda_check(cudaMemcpy(seed.data(), ids.ptr, seed.size() * 4, cudaMemcpyDeviceToHost), "ids");
