@@ -63,6 +63,9 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_6
 done
 export LMLOSS_LD="$ROOT/$BUILD/src:$ROOT/$BUILD/extra-lib$CUDA_LIBS"
 run() { LD_LIBRARY_PATH="$LMLOSS_LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$@"; }
+# Python with lmloss's wheel: its extension needs the host libraries of extra-lib/ (OpenBLAS), and
+# nothing else of ours, so that PyTorch keeps its own CUDA libraries.
+pyrun() { LD_LIBRARY_PATH="$ROOT/$BUILD/extra-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$@"; }
 
 # The peers' wheels, and lmloss's own (scripts/gpu_build.sh --wheel) so that it is timed too,
 # installed once to a private folder.
@@ -104,7 +107,7 @@ if has_stage tests; then
   # The PyTorch layer's CUDA tests, on lmloss's wheel (scripts/gpu_build.sh --wheel) where there is one.
   if ls dist/lmloss-*.whl > /dev/null 2>&1 && python3 -c 'import torch, pytest' 2> /dev/null; then
     install_wheels
-    python3 -m pytest -q -p no:cacheprovider tests/python/test_torch.py -k cuda > "$OUT/pytest_torch_cuda.log" 2>&1
+    pyrun python3 -m pytest -q -p no:cacheprovider tests/python/test_torch.py -k cuda > "$OUT/pytest_torch_cuda.log" 2>&1
     rc=$?
     note "tests   pytest test_torch.py -k cuda rc=$rc $(tail -1 "$OUT/pytest_torch_cuda.log")"
     [ $rc -ne 0 ] && { FAILED=1; grep -E '^(FAILED|ERROR)' "$OUT/pytest_torch_cuda.log" | head -20; }
@@ -189,11 +192,11 @@ if has_stage dw; then
   done
   install_wheels
   for tokens in 8192 32768; do
-    PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens $tokens --modes fwd_bwd --methods lmloss \
+    pyrun env PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens $tokens --modes fwd_bwd --methods lmloss \
       --accuracy --repeats 3 2>&1 | tee -a "$OUT/dw_accuracy.log"
   done
   for hidden in 4096 8192; do
-    PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --hidden $hidden --modes fwd_bwd \
+    pyrun env PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --hidden $hidden --modes fwd_bwd \
       --methods lmloss,lmloss-f32dw,torch.compile --repeats 5 --rounds 2 --json "$OUT/peers_kept_$hidden.json" 2>&1 |
       tee -a "$OUT/peers_kept.log"
   done
@@ -209,11 +212,11 @@ if has_stage peers; then
   echo "== peers"
   install_wheels
   presets=llama3-8b,gemma2-2b
-  PYTHONUNBUFFERED=1 python3 bench/peers.py --presets $presets --accuracy \
+  pyrun env PYTHONUNBUFFERED=1 python3 bench/peers.py --presets $presets --accuracy \
     --modes fwd_bwd,forward,distill64,topk64,topk2048,dx_only \
     --repeats $REPEATS --rounds $PEER_ROUNDS --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
   if [ $QUICK = 0 ]; then
-    PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens 32768 --modes fwd_bwd --accuracy \
+    pyrun env PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --tokens 32768 --modes fwd_bwd --accuracy \
       --methods naive,torch.compile,cce --repeats 5 --rounds $PEER_ROUNDS --json "$OUT/peers_32768.json" 2>&1 | tee "$OUT/peers_32768.log"
   fi
 fi
