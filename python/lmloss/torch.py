@@ -116,8 +116,7 @@ def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
     may be fake here (traced): always aligned, never asked for their address."""
     vocab, hidden = weight.shape
     tail_rows = _api.weight_sum_tail_rows(vocab)
-    traced = torch.compiler.is_compiling()
-    if _api.weight_sum_placed_together(vocab, weight.device.type == "cuda") and not traced:
+    if _api.weight_sum_placed_together(vocab, weight.device.type == "cuda") and not _traced(weight):
         torch.empty(vocab * hidden, dtype=torch.float32, device=weight.device)  # freed at once
     g_weight = _empty_like_shape(weight, weight.shape, weight.dtype)
     tail = _empty_like_shape(weight, (tail_rows, hidden), torch.float32)
@@ -143,12 +142,19 @@ def _(grad_weight, tail, scale):
     return None
 
 
+def _traced(t: Tensor) -> bool:
+    """Whether t is being traced (torch.compile, torch.export): a plain tensor or a parameter
+    outside them, a fake or functional one inside. torch.compiler.is_compiling() alone does not
+    say so everywhere: AOTAutograd's tracing of a backward formula, under PyTorch 2.11."""
+    return torch.compiler.is_compiling() or type(t) not in (Tensor, torch.nn.Parameter)
+
+
 def _round_weight_sum(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> Tensor:
     """grad_weight, its kept float32 sum rounded once into it, times scale (None: 1). Eagerly the
     library is called directly: the custom op's Python dispatch is host time in every backward."""
     if scale is not None:
         scale = scale.reshape(()).to(torch.float32).contiguous()
-    if torch.compiler.is_compiling():
+    if _traced(grad_weight):
         _round_grad_weight(grad_weight, tail, scale)
     else:
         _round_grad_weight_impl(grad_weight, tail, scale)
