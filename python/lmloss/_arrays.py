@@ -112,9 +112,9 @@ def check_not_sharded(x, name: str) -> None:
     dtensor = getattr(getattr(getattr(torch, "distributed", None), "tensor", None), "DTensor", None)
     if dtensor is not None and isinstance(x, dtensor):
         raise TypeError(
-            f"{name}: a DTensor (sharded, as by FSDP or tensor parallelism); lmloss needs the whole "
-            "tensor: under FSDP call the loss inside the forward of the module that owns the head, "
-            "where FSDP has gathered its weight"
+            f"{name}: a DTensor (sharded, as by FSDP or tensor parallelism); lmloss needs the "
+            "whole tensor: under FSDP call the loss inside the forward of the module that owns "
+            "the head, where FSDP has gathered its weight"
         )
 
 
