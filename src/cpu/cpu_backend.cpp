@@ -187,6 +187,16 @@ lmloss_status budget_error(const lmloss_context& context, const Plan& plan, cons
                         std::to_string(plan.fixed_bytes + plan.bytes_per_row) + " bytes" + held_for);
 }
 
+// Workspace bytes a call holds for a 16-bit dW's f32 sum beyond grad_weight's own bytes: its rows
+// from core::weight_sum_rows_in_place on, unless the caller keeps them (grad_weight_sum_tail).
+size_t own_weight_sum_bytes(const LossCall& call) {
+  const lmloss_tensor& gw = call.grads.grad_weight;
+  if (!call.wants_grads() || !gw.data || gw.dtype == call.compute_dtype || call.options.grad_weight_sum_tail.data)
+    return 0;
+  return size_t(call.vocab - core::weight_sum_rows_in_place(gw, call.vocab, call.hidden)) * size_t(call.hidden) *
+         sizeof(float);
+}
+
 // grad_weight = round(sum * scale), the sum's rows [0, split) over grad_weight's own bytes and
 // the rest in the tail. Row u's 16-bit values go over f32 row u / 2, so rows [a, 2a) can be
 // narrowed together once rows below a are (row 0, whose values go over its own, through a copy).
@@ -702,15 +712,12 @@ class CpuBackend final : public core::Backend {
     }
     const Plan plan = plan_loss(context, call);
     if (plan.chunk_rows == 0) {
-      const lmloss_tensor& gw = call.grads.grad_weight;
-      const bool f32_sum = call.wants_grads() && gw.data && gw.dtype != call.compute_dtype &&
-                           !call.options.grad_weight_sum_tail.data;
-      const int64_t tail_rows = call.vocab - core::weight_sum_rows_in_place(gw, call.vocab, call.hidden);
+      const size_t sum_bytes = own_weight_sum_bytes(call);
       return budget_error(context, plan,
-                          f32_sum ? ", " + std::to_string(size_t(tail_rows) * size_t(call.hidden) * 4) +
-                                        " of them the f32 sum of the bf16/f16 grads.grad_weight beyond its own "
-                                        "bytes (which options.grad_weight_sum_tail keeps in the caller's memory instead)"
-                                  : "");
+                          sum_bytes ? ", " + std::to_string(sum_bytes) +
+                                          " of them the f32 sum of the bf16/f16 grads.grad_weight beyond its own "
+                                          "bytes (which options.grad_weight_sum_tail keeps in the caller's memory instead)"
+                                    : "");
     }
     return LMLOSS_SUCCESS;
   }
@@ -782,9 +789,7 @@ class CpuBackend final : public core::Backend {
     size_t per_row = s;  // the row's loss
     if (call.wants_grads()) {
       if (g.grad_hidden.data && g.grad_hidden.dtype != c) per_row += size_t(call.hidden) * s;
-      if (g.grad_weight.data && g.grad_weight.dtype != c && !call.options.grad_weight_sum_tail.data)
-        fixed += size_t(call.vocab - core::weight_sum_rows_in_place(g.grad_weight, call.vocab, call.hidden)) *
-                 size_t(call.hidden) * s;
+      fixed += own_weight_sum_bytes(call);
       if (g.grad_bias.data) fixed += size_t(call.vocab) * s;
     }
     return f64 ? plan_head<double>(context, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row)
