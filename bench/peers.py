@@ -357,7 +357,7 @@ def main():
                 # before the autograd layer rounds it to the parameter's bfloat16.
                 dw32 = torch.ops.lmloss.loss_forward_backward(
                     None, x, w, None, y, None, None, None, "mean", -100, 0.0, 1.0, 0.0, 0.0, 0.0,
-                    0.0, 1.0, False, False, True, False)[4]
+                    0.0, 1.0, False, False, True, False, False)[4]
                 err = relative_error(dw32, ref64[2])
                 del dw32
                 once, per_chunk = bf16_weight_gradients(x, w, y)
