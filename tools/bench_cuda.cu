@@ -86,11 +86,14 @@ cudaDataType_t cuda_type(lmloss_dtype d) {
 size_t type_size(lmloss_dtype d) { return d == LMLOSS_F32 ? 4 : 2; }
 
 // A product's row strides other than the contiguous ones (0: contiguous), and a strided batch:
-// `batch` products, matrix i of each operand `batch_*` elements after matrix i - 1.
+// `batch` products, matrix i of each operand `batch_*` elements after matrix i - 1 (which may be
+// negative). With `pointer_array`, the batch's matrices are wherever device arrays of `batch`
+// pointers say: run() then takes those arrays in place of the operands.
 struct ProductStrides {
   int64_t lda = 0, ldb = 0, ldc = 0;
   int32_t batch = 1;
   int64_t batch_a = 0, batch_b = 0, batch_c = 0;
+  bool pointer_array = false;
 };
 
 // Row-major products through cuBLASLt, each planned once (descriptor, layouts, algorithm).
@@ -137,6 +140,13 @@ class Products {
           lt_check(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &st.batch,
                                                     sizeof(st.batch)),
                    "batch count");
+          if (st.pointer_array) {
+            const uint32_t mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
+            lt_check(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &mode,
+                                                      sizeof(mode)),
+                     "batch mode");
+            continue;
+          }
           lt_check(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
                                                     &batch_strides[i], sizeof(batch_strides[i])),
                    "batch stride");
@@ -240,11 +250,11 @@ class Products {
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int, int64_t, int64_t, int64_t, int32_t, int64_t,
-                         int64_t, int64_t>;
+                         int64_t, int64_t, bool>;
   static Key make_key(int64_t m, int64_t n, int64_t k, bool a_t, bool b_t, lmloss_dtype ab, lmloss_dtype c_type,
                       const ProductStrides& st) {
     return {m, n, k, a_t, b_t, int(ab), int(c_type), st.lda, st.ldb, st.ldc, st.batch, st.batch_a, st.batch_b,
-            st.batch_c};
+            st.batch_c, st.pointer_array};
   }
   std::map<Key, Plan> plans_;
 };
@@ -980,8 +990,10 @@ class ModesBench {
   // [V/2, V), as an f32 sum kept over a 16-bit dW's own bytes and a second buffer would take it:
   // as one product into a whole dW (the default's), as two products (one a part, as
   // LMLOSS_SUM_GRAD_WEIGHT_IN_F32 runs them), and as one strided-batched product over both parts
-  // (the batch stride of D the distance between the buffers). Can the parts cost what the whole
-  // does? The last two's sums are compared.
+  // (the batch stride of D the distance between the buffers, then its negative: the first rows at
+  // the higher address), and as one product batched from arrays of pointers (the parts wherever
+  // they lie). Can the parts cost what the whole does? The batched sums are compared with the two
+  // products'.
   void dw_parts_probe(int64_t rows) {
     if (v_ % 2 != 0) {
       std::printf("dw-parts  V %lld is odd: no two equal parts\n", (long long)v_);
@@ -1016,11 +1028,12 @@ class ModesBench {
                       r0 > 0 ? 1.f : 0.f);
       });
     });
-    auto sums = [&] {
+    // The sum's rows [0, half) as read from `first`, [half, V) from `second`.
+    auto sums = [&](const char* first, const char* second) {
       cuda_check(cudaStreamSynchronize(stream_), "sync");
       std::vector<float> out(size_t(v_) * h_);
-      cuda_check(cudaMemcpy(out.data(), lo, part_bytes, cudaMemcpyDeviceToHost), "copy");
-      cuda_check(cudaMemcpy(out.data() + size_t(half) * h_, hi, part_bytes, cudaMemcpyDeviceToHost), "copy");
+      cuda_check(cudaMemcpy(out.data(), first, part_bytes, cudaMemcpyDeviceToHost), "copy");
+      cuda_check(cudaMemcpy(out.data() + size_t(half) * h_, second, part_bytes, cudaMemcpyDeviceToHost), "copy");
       return out;
     };
     // Either way may find no cuBLASLt algorithm (Products throws): said so, and the probe goes on.
@@ -1034,26 +1047,66 @@ class ModesBench {
         return 0.0;
       }
     };
-    bool two_ran = false, batched_ran = false;
+    auto largest_difference = [&](const std::vector<float>& a, const std::vector<float>& b) {
+      double diff = 0, scale = 0;
+      for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+        diff = std::max(diff, double(std::fabs(a[i] - b[i])));
+        scale = std::max(scale, double(std::fabs(a[i])));
+      }
+      return scale > 0 ? diff / scale : 0.0;
+    };
+    bool two_ran = false, batched_ran = false, reversed_ran = false, pointers_ran = false;
     const double two = timed_or_not([&] {
       each_chunk([&](int64_t r0, int64_t m) {
         product(r0, m, part, 0, lo);
         product(r0, m, part, half, hi);
       });
     }, two_ran);
-    const std::vector<float> two_sums = sums();
+    const std::vector<float> two_sums = sums(lo, hi);
     const double batched = timed_or_not(
         [&] { each_chunk([&](int64_t r0, int64_t m) { product(r0, m, both, 0, lo); }); }, batched_ran);
-    const std::vector<float> batched_sums = sums();
-    double diff = 0, scale = 0;
-    for (size_t i = 0; two_ran && batched_ran && i < two_sums.size(); ++i) {
-      diff = std::max(diff, double(std::fabs(two_sums[i] - batched_sums[i])));
-      scale = std::max(scale, double(std::fabs(two_sums[i])));
-    }
-    std::printf("dw-parts  chunk %5lld rows  whole %8.3f ms  two products %8.3f ms%s  one batched %8.3f ms%s"
-                "  (batched against two: max difference %.2e of the largest)\n",
-                (long long)rows, whole, two, two_ran ? "" : " (did not run)", batched,
-                batched_ran ? "" : " (did not run)", scale > 0 ? diff / scale : 0.0);
+    const double batched_diff = batched_ran ? largest_difference(two_sums, sums(lo, hi)) : 0;
+    // The first rows at the higher address (a caller's tail below its gradient): D's batch stride
+    // negative.
+    ProductStrides reversed = both;
+    reversed.batch_c = -d_stride;
+    const double backwards = timed_or_not(
+        [&] { each_chunk([&](int64_t r0, int64_t m) { product(r0, m, reversed, 0, hi); }); }, reversed_ran);
+    const double reversed_diff = reversed_ran ? largest_difference(two_sums, sums(hi, lo)) : 0;
+    // The batch's matrices from arrays of pointers, made for every chunk before the timing (a
+    // library would have a small kernel write them): the two parts wherever they lie.
+    ProductStrides arrays = part;
+    arrays.batch = 2;
+    arrays.pointer_array = true;
+    std::vector<const void*> host_pointers;
+    each_chunk([&](int64_t r0, int64_t) {
+      const void* chunk[6] = {g + r0 * v_ * es, g + (r0 * v_ + half) * es, x + r0 * h_ * es, x + r0 * h_ * es,
+                              hi, lo};
+      host_pointers.insert(host_pointers.end(), chunk, chunk + 6);
+    });
+    DeviceBuffer device_pointers(host_pointers.size() * sizeof(void*));
+    cuda_check(cudaMemcpy(device_pointers.ptr, host_pointers.data(), host_pointers.size() * sizeof(void*),
+                          cudaMemcpyHostToDevice),
+               "copy pointers");
+    const double pointers = timed_or_not([&] {
+      int64_t c = 0;
+      each_chunk([&](int64_t r0, int64_t m) {
+        const void** p = static_cast<const void**>(device_pointers.ptr) + 6 * c++;
+        products_.run(half, h_, m, true, false, p, p + 2, const_cast<void**>(p + 4), dt_, LMLOSS_F32, stream_,
+                      r0 > 0 ? 1.f : 0.f, arrays);
+      });
+    }, pointers_ran);
+    const double pointers_diff = pointers_ran ? largest_difference(two_sums, sums(hi, lo)) : 0;
+    auto shown = [](double ms, bool ran) {
+      char text[48];
+      std::snprintf(text, sizeof text, ran ? "%8.3f ms" : "did not run", ms);
+      return std::string(text);
+    };
+    std::printf("dw-parts  chunk %5lld rows  whole %8.3f ms  two products %s  one batched %s  batched backwards"
+                " %s  from pointer arrays %s  (each against two: max difference %.2e, %.2e, %.2e of the largest)\n",
+                (long long)rows, whole, shown(two, two_ran).c_str(), shown(batched, batched_ran).c_str(),
+                shown(backwards, reversed_ran).c_str(), shown(pointers, pointers_ran).c_str(), batched_diff,
+                reversed_diff, pointers_diff);
     std::fflush(stdout);
   }
 
