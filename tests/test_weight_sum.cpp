@@ -36,16 +36,22 @@ class KeptWeightSum : public DeviceDtypeTest {
   lmloss::Context ctx;
 };
 
+// Where the tail lies: a buffer of its own, or in one buffer with grad_weight's rows (dense), right
+// after them (one f32 matrix), after them past a gap, or before them.
+enum class Tail { own, after_rows, after_gap, before_rows };
+
 struct SumShape {
   int64_t n_tokens, vocab, hidden, tail_rows, row_padding;
-  bool tail_after_rows = false;  // the tail in the same buffer, right after the rows in place
+  Tail tail = Tail::own;
 };
 
 // Two micro-batches, the second added with LMLOSS_ACCUMULATE_GRAD_WEIGHT, in a few chunks each:
 // the smallest tail; a tail of every row (grad_weight's rows padded, its bytes not the library's
 // until the rounding); one between; an odd width; a vocabulary too narrow for rows in place; one
-// token in the first micro-batch; a tail right after the rows in place (one f32 matrix, one
-// product a chunk). Cross-entropy with every option, and distillation mixed with it.
+// token in the first micro-batch; equal halves (a vocabulary of a multiple of 16) with the tail in
+// each place: right after the rows in place (one f32 matrix, one product a chunk), past a gap
+// after them (on CUDA one product batched over both), before them, or anywhere. Cross-entropy with
+// every option, and distillation mixed with it.
 TEST_P(KeptWeightSum, MicroBatchesRoundedOnceMatchTheirF32Sum) {
   if (dtype() != LMLOSS_BF16 && dtype() != LMLOSS_F16) GTEST_SKIP() << "a kept f32 sum is for a 16-bit grad_weight";
   Generator gen(5101);
@@ -53,10 +59,12 @@ TEST_P(KeptWeightSum, MicroBatchesRoundedOnceMatchTheirF32Sum) {
   for (const SumShape shape : {SumShape{300, 1999, 72, least_1999, 0}, SumShape{300, 1999, 72, 1999, 8},
                                SumShape{300, 1999, 72, least_1999 + 24, 0}, SumShape{200, 1000, 37, 504, 0},
                                SumShape{40, 15, 64, 15, 0}, SumShape{2, 503, 16, 255, 0},
-                               SumShape{300, 2000, 40, 1000, 0, true}}) {
+                               SumShape{300, 2000, 40, 1000, 0, Tail::after_rows},
+                               SumShape{300, 2000, 40, 1000, 0, Tail::after_gap},
+                               SumShape{300, 2000, 40, 1000, 0, Tail::before_rows}, SumShape{300, 2000, 40, 1000, 0}}) {
     for (const char* name : {"everything", "distill_mixed"}) {
       SCOPED_TRACE(cat(name, " N ", shape.n_tokens, " V ", shape.vocab, " H ", shape.hidden, " tail rows ",
-                       shape.tail_rows, " padding ", shape.row_padding, shape.tail_after_rows ? " tail after the rows" : ""));
+                       shape.tail_rows, " padding ", shape.row_padding, " tail placed ", int(shape.tail)));
       lmloss_loss_options o = lmloss_loss_options_default();
       int64_t top_k = 0;
       if (std::string(name) == "everything") {
@@ -112,20 +120,30 @@ TEST_P(KeptWeightSum, MicroBatchesRoundedOnceMatchTheirF32Sum) {
         }
       };
 
-      // The kept sum, then rounded with a scale. With the tail after the rows, one buffer holds
-      // both: grad_weight's rows, then the tail's bytes (2 rows of 16-bit values per f32 row).
-      const int64_t extra_rows = shape.tail_after_rows ? 2 * shape.tail_rows : 0;
-      Buffer kept(device(), dtype(), 2, vocab + extra_rows, hidden, ld);
+      // The kept sum, then rounded with a scale. Where the tail shares grad_weight's buffer, its
+      // bytes there are 2 rows of 16-bit values per f32 row; a gap is 8 such rows.
+      const int64_t tail_rows16 = 2 * shape.tail_rows, gap_rows16 = 8;
+      int64_t grad_row0 = 0, tail_row0 = 0, arena_rows = vocab;
+      if (shape.tail == Tail::after_rows || shape.tail == Tail::after_gap) {
+        tail_row0 = vocab + (shape.tail == Tail::after_gap ? gap_rows16 : 0);
+        arena_rows = tail_row0 + tail_rows16;
+      } else if (shape.tail == Tail::before_rows) {
+        grad_row0 = tail_rows16 + gap_rows16;
+        arena_rows = grad_row0 + vocab;
+      }
+      Buffer kept(device(), dtype(), 2, arena_rows, hidden, ld);
       Buffer tail(device(), LMLOSS_F32, 2, shape.tail_rows, hidden);
       Buffer scale = Buffer::of_values(device(), LMLOSS_F32, {0.75}, 0, 1);
       kept.poison();
       tail.poison();
       for (Buffer* b : {&kept, &tail, &scale}) b->upload();
       lmloss_tensor kept_t = kept.tensor(), tail_t = tail.tensor();
+      const int64_t row16_bytes = hidden * int64_t(dtype_size(dtype()));
+      kept_t.data = static_cast<char*>(kept_t.data) + grad_row0 * row16_bytes;
       kept_t.shape[0] = vocab;
-      if (shape.tail_after_rows)
-        tail_t = lmloss_tensor{static_cast<char*>(kept_t.data) + vocab * hidden * int64_t(dtype_size(dtype())), LMLOSS_F32,
-                               2, {shape.tail_rows, hidden}, 0, kept_t.device_type, kept_t.device_index};
+      if (shape.tail != Tail::own)
+        tail_t = lmloss_tensor{static_cast<char*>(kept.tensor().data) + tail_row0 * row16_bytes, LMLOSS_F32, 2,
+                               {shape.tail_rows, hidden}, 0, kept_t.device_type, kept_t.device_index};
       lmloss_loss_options kept_options = o;
       kept_options.grad_weight_sum_tail = tail_t;
       ASSERT_NO_FATAL_FAILURE(run_batches(kept_t, kept_options));
@@ -133,11 +151,17 @@ TEST_P(KeptWeightSum, MicroBatchesRoundedOnceMatchTheirF32Sum) {
       ASSERT_EQ(lmloss_round_grad_weight(ctx.get(), &kept_t, &tail_t, &scale_t), LMLOSS_SUCCESS) << lmloss_last_error();
       ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
       kept.download();
+      const int64_t grad_first = grad_row0 * hidden;  // the gradient's first element in `kept`
       int64_t unwritten = 0;  // the gradient's elements still as poisoned (0xFFFF)
-      for (int64_t i = 0; i < vocab * hidden; ++i) unwritten += std::isnan(kept.get(i)) ? 1 : 0;
+      for (int64_t i = 0; i < vocab * hidden; ++i) unwritten += std::isnan(kept.get(grad_first + i)) ? 1 : 0;
       EXPECT_EQ(unwritten, 0);
-      if (!shape.tail_after_rows) {
+      if (shape.tail == Tail::own) {
         EXPECT_TRUE(kept.padding_untouched());
+      } else if (shape.tail != Tail::after_rows) {  // the gap left as it was
+        const int64_t gap_first = (shape.tail == Tail::after_gap ? vocab : tail_rows16) * hidden;
+        int64_t gap_written = 0;
+        for (int64_t i = 0; i < gap_rows16 * hidden; ++i) gap_written += std::isnan(kept.get(gap_first + i)) ? 0 : 1;
+        EXPECT_EQ(gap_written, 0);
       }
 
       // The same calls into an f32 grad_weight, rounded here.
@@ -149,15 +173,15 @@ TEST_P(KeptWeightSum, MicroBatchesRoundedOnceMatchTheirF32Sum) {
       wide.download();
 
       const int64_t count = vocab * hidden;
-      EXPECT_TRUE(rounded_once_from(kept, wide, count, 0.75f));
+      EXPECT_TRUE(rounded_once_from(kept, wide, count, 0.75f, grad_first));
 
       // And the float64 reference of both micro-batches, scaled.
       const reference::LossResult first = reference::loss(tokens_of(p, 0, n1), o);
       const reference::LossResult second = reference::loss(tokens_of(p, n1, p.n_tokens), o);
       std::vector<double> want(static_cast<size_t>(count));
       for (int64_t i = 0; i < count; ++i) want[i] = 0.75 * (first.grad_weight[i] + second.grad_weight[i]);
-      std::vector<double> got = kept.values();
-      got.resize(want.size());  // the gradient's elements, not the tail's bytes after them
+      const std::vector<double> all = kept.values();  // the gradient's elements, not the tail's bytes
+      const std::vector<double> got(all.begin() + grad_first, all.begin() + grad_first + count);
       EXPECT_TRUE(close_to(got, want, tolerance(dtype())));
     }
   }

@@ -193,7 +193,9 @@ typedef enum lmloss_reduction {
  * dense and 16-byte aligned), the rest in the tail. The whole sum costs 4 bytes a weight, half of
  * them the gradient's own, where an f32 copy beside a 16-bit gradient costs 6. A tail that
  * starts where those rows end (split = vocab / 2: vocab a multiple of 16) makes the sum one f32
- * matrix, which each token chunk's product fills at once; else each chunk takes two. This macro
+ * matrix, which each token chunk's product fills at once; else, on CUDA, each chunk takes one
+ * product batched over both parts where the tail lies above those rows and split = vocab / 2, and
+ * two products where not. This macro
  * gives the smallest tail; with tail_rows = vocab, grad_weight's bytes are unused until rounding. */
 #define LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab) ((vocab) - (vocab) / 16 * 8)
 

@@ -48,6 +48,7 @@ Loaded load() {
   ok &= resolve(library, "cublasLtMatmulPreferenceSetAttribute", a.MatmulPreferenceSetAttribute, l.error);
   ok &= resolve(library, "cublasLtMatrixLayoutCreate", a.MatrixLayoutCreate, l.error);
   ok &= resolve(library, "cublasLtMatrixLayoutDestroy", a.MatrixLayoutDestroy, l.error);
+  ok &= resolve(library, "cublasLtMatrixLayoutSetAttribute", a.MatrixLayoutSetAttribute, l.error);
   l.ok = ok;
   return l;
 }

@@ -24,6 +24,7 @@ struct CublasLt {
   decltype(&cublasLtMatmulPreferenceSetAttribute) MatmulPreferenceSetAttribute = nullptr;
   decltype(&cublasLtMatrixLayoutCreate) MatrixLayoutCreate = nullptr;
   decltype(&cublasLtMatrixLayoutDestroy) MatrixLayoutDestroy = nullptr;
+  decltype(&cublasLtMatrixLayoutSetAttribute) MatrixLayoutSetAttribute = nullptr;
 };
 
 // The loaded library, or nullptr when it cannot be loaded (then `cublaslt_error()` says why).

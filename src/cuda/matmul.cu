@@ -2,6 +2,7 @@
 #include "cuda/matmul.cuh"
 
 #include <string>
+#include <utility>
 
 #include "core/context.hpp"
 #include "cuda/common.cuh"
@@ -95,6 +96,16 @@ lmloss_status MatmulCache::plan(const MatmulShape& s, MatmulPlan** out) {
       (st = lt().MatrixLayoutCreate(&p.b, cuda_type(s.ab_type), b_rows, b_cols, s.ldb)) ||
       (st = lt().MatrixLayoutCreate(&p.d, cuda_type(s.d_type), s.m, s.n, s.ldd)))
     return fail_with("layout", st);
+  if (s.batch > 1) {
+    const std::pair<cublasLtMatrixLayout_t, int64_t> layouts[3] = {
+        {p.a, s.batch_stride_a}, {p.b, s.batch_stride_b}, {p.d, s.batch_stride_d}};
+    for (const auto& [layout, stride] : layouts)
+      if ((st = lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &s.batch,
+                                              sizeof(s.batch))) ||
+          (st = lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                              sizeof(stride))))
+        return fail_with("batch layout", st);
+  }
 
   cublasLtMatmulPreference_t pref = nullptr;
   if ((st = lt().MatmulPreferenceCreate(&pref))) return fail_with("preference", st);
@@ -178,7 +189,7 @@ lmloss_status MatmulCache::tune(MatmulPlan& p, const MatmulShape& s, const void*
   cudaEventDestroy(stop);
   // A time above the card's peak rate means the timing saw something else than the product
   // (say, a kernel that skips its work when alpha is 0): keep the heuristic's first choice.
-  const double flops = 2.0 * double(s.m) * double(s.n) * double(s.k);
+  const double flops = 2.0 * double(s.m) * double(s.n) * double(s.k) * double(s.batch);
   if (status == LMLOSS_SUCCESS && best_ms > 0.f && flops / (double(best_ms) * 1e-3) > 2e15)
     p.algo = p.candidates.front();
   return status;
@@ -189,9 +200,9 @@ lmloss_status MatmulCache::run(MatmulShape shape, const void* a, const void* b, 
                                cudaStream_t stream, bool tuning) {
   const int64_t ab_size = shape.ab_type == LMLOSS_F32 ? 4 : 2;
   const int64_t d_size = shape.d_type == LMLOSS_F32 ? 4 : 2;
-  shape.align_a = matrix_alignment(a, shape.lda * ab_size);
-  shape.align_b = matrix_alignment(b, shape.ldb * ab_size);
-  shape.align_d = matrix_alignment(d, shape.ldd * d_size);
+  shape.align_a = matrix_alignment(a, shape.lda * ab_size, shape.batch_stride_a * ab_size);
+  shape.align_b = matrix_alignment(b, shape.ldb * ab_size, shape.batch_stride_b * ab_size);
+  shape.align_d = matrix_alignment(d, shape.ldd * d_size, shape.batch_stride_d * d_size);
   if (workspace == nullptr) shape.workspace_bytes = 0;
   MatmulPlan* p = nullptr;
   if (const lmloss_status st = plan(shape, &p); st != LMLOSS_SUCCESS) return st;

@@ -24,10 +24,13 @@
 
 namespace lmloss::cuda {
 
-// One column-major product D (m, n) = alpha op(A) op(B) + beta C, C = D.
+// One column-major product D (m, n) = alpha op(A) op(B) + beta C, C = D; or `batch` of them, the
+// i-th of each operand batch_stride_* elements after the (i-1)-th.
 struct MatmulShape {
   int64_t m = 0, n = 0, k = 0;
   int64_t lda = 0, ldb = 0, ldd = 0;
+  int32_t batch = 1;
+  int64_t batch_stride_a = 0, batch_stride_b = 0, batch_stride_d = 0;
   bool trans_a = false, trans_b = false;
   lmloss_dtype ab_type = LMLOSS_BF16;  // A and B
   lmloss_dtype d_type = LMLOSS_F32;
@@ -40,8 +43,8 @@ struct MatmulShape {
   int preferred_tile = 0;
 
   auto key() const {
-    return std::tuple(m, n, k, lda, ldb, ldd, trans_a, trans_b, int(ab_type), int(d_type),
-                      workspace_bytes, align_a, align_b, align_d, preferred_tile);
+    return std::tuple(m, n, k, lda, ldb, ldd, batch, batch_stride_a, batch_stride_b, batch_stride_d, trans_a,
+                      trans_b, int(ab_type), int(d_type), workspace_bytes, align_a, align_b, align_d, preferred_tile);
   }
   bool operator<(const MatmulShape& o) const { return key() < o.key(); }
 };
@@ -54,10 +57,11 @@ struct MatmulPlan {
   bool tuned = false;
 };
 
-// The largest power of two (at most 256) dividing both the address and the column stride in
-// bytes: what every column of the matrix is aligned to.
-inline uint32_t matrix_alignment(const void* p, int64_t ld_bytes) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(ld_bytes);
+// The largest power of two (at most 256) dividing the address, the column stride and the batch
+// stride in bytes: what every column of every matrix of the batch is aligned to.
+inline uint32_t matrix_alignment(const void* p, int64_t ld_bytes, int64_t batch_stride_bytes = 0) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(ld_bytes) |
+                      static_cast<uintptr_t>(batch_stride_bytes < 0 ? -batch_stride_bytes : batch_stride_bytes);
   uint32_t align = 256;
   while (align > 1 && (a % align) != 0) align >>= 1;
   return align;
