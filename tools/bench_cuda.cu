@@ -665,7 +665,7 @@ class ModesBench {
     ids_ = upload(ids.data(), ids.size() * 4);
     probs_ = upload(probs.data(), probs.size() * 4);
     dx_ = DeviceBuffer(n * h * es);
-    dw_ = DeviceBuffer(v * h * 4);
+    dw_ = DeviceBuffer(v * h * 4 + kDwTailGap);
     loss_ = DeviceBuffer(4);
     topk_ids_ = DeviceBuffer(n * kTopkMax * 4);
     topk_probs_ = DeviceBuffer(n * kTopkMax * 4);
@@ -679,13 +679,15 @@ class ModesBench {
   // dW in the loss modes and their floor: --dw-dtype's forms. With a kept sum, a 16-bit dW is kept
   // as its f32 sum over its own bytes and a tail (options.grad_weight_sum_tail), and each step
   // ends with lmloss_round_grad_weight; the tail follows the rows in place where the vocabulary
-  // allows (one f32 matrix, one product a chunk, as lmloss.torch places it), unless kept apart: a
-  // buffer of its own (two products a chunk).
+  // allows (one f32 matrix, one product a chunk, as lmloss.torch places it), unless kept past a
+  // gap after them (the library's products batched over both parts) or apart: a buffer of its own
+  // (two products a chunk where it lies below, else batched).
+  static constexpr size_t kDwTailGap = 256;
   struct DwForm {
     const char* name;
     bool input_dtype;  // else f32
     uint32_t flags;
-    enum class Sum { none, kept, kept_apart } sum;
+    enum class Sum { none, kept, kept_gap, kept_apart } sum;
     const char* note;  // for the header line
   };
   static constexpr DwForm kDwForms[] = {
@@ -695,6 +697,8 @@ class ModesBench {
        ", dW in the input dtype, summed in f32 and rounded once"},
       {"input-kept", true, 0u, DwForm::Sum::kept,
        ", dW in the input dtype, its f32 sum kept with a tail after it, rounded by the caller"},
+      {"input-kept-gap", true, 0u, DwForm::Sum::kept_gap,
+       ", dW in the input dtype, its f32 sum kept with a tail past a gap after it, rounded by the caller"},
       {"input-kept-apart", true, 0u, DwForm::Sum::kept_apart,
        ", dW in the input dtype, its f32 sum kept with a tail apart, rounded by the caller"},
   };
@@ -703,11 +707,15 @@ class ModesBench {
     dw_flags_ = form.flags;
     if (form.sum == DwForm::Sum::none) return;
     const int64_t tail_rows = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_);
-    if (form.sum == DwForm::Sum::kept && 2 * tail_rows == v_) {
-      dw_sum_tail_at_ = static_cast<char*>(dw_.ptr) + size_t(v_) * size_t(h_) * 2;  // dw_ holds f32 (v, h)
+    if ((form.sum == DwForm::Sum::kept || form.sum == DwForm::Sum::kept_gap) && 2 * tail_rows == v_) {
+      // dw_ holds an f32 (v, h) and the gap
+      dw_sum_tail_at_ = static_cast<char*>(dw_.ptr) + size_t(v_) * size_t(h_) * 2 +
+                        (form.sum == DwForm::Sum::kept_gap ? kDwTailGap : 0);
     } else {
       dw_sum_tail_ = DeviceBuffer(size_t(tail_rows) * size_t(h_) * 4);
       dw_sum_tail_at_ = dw_sum_tail_.ptr;
+      // Which way the library's products may take it (one batched product needs it above).
+      std::printf("# the kept sum's tail lies %s dW's rows\n", dw_sum_tail_at_ > dw_.ptr ? "above" : "below");
     }
   }
   // Host sleep before each timed run (floor and step alike), so that each starts on a card that
@@ -1302,7 +1310,7 @@ int run(int argc, char** argv) {
   const ModesBench::DwForm* dw_form = nullptr;
   for (const auto& form : ModesBench::kDwForms)
     if (dw_dtype == form.name) dw_form = &form;
-  if (!dw_form) throw std::invalid_argument("--dw-dtype takes f32, input, input-once, input-kept or input-kept-apart");
+  if (!dw_form) throw std::invalid_argument("--dw-dtype takes f32, input, input-once, input-kept, input-kept-gap or input-kept-apart");
   bench.set_dw_form(*dw_form);
   bench.set_rest_ms(rest_ms);
   if (clocks && !bench.sample_clocks()) std::fprintf(stderr, "# --clocks: NVML did not answer; no clocks\n");
