@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh [--build DIR] [--stages tests,sanitizer,bench,curve,peers] [--quick]
 #                        [--peer-rounds R]
 #
-# --stages may also name dw (not run by default): a 16-bit dW timed five ways, its products in two
+# --stages may also name dw (not run by default): a 16-bit dW timed six ways, its products in two
 # parts against one batched product, lmloss's dW errors against float64, and lmloss.torch with its
 # dW's f32 sum kept against a float32 dW of its own, beside torch.compile.
 #
@@ -171,16 +171,17 @@ if has_stage bench; then
   tail -12 "$OUT/lmloss_bench.log"
 fi
 
-# Not in the default stages: a 16-bit dW five ways (f32, rounded per chunk, summed in f32 and
-# rounded once, its f32 sum kept with the caller's tail after it or apart and rounded by a second
-# call) in alternating rounds, its two-part product against one batched product, lmloss's dW
+# Not in the default stages: a 16-bit dW six ways (f32, rounded per chunk, summed in f32 and
+# rounded once, its f32 sum kept with the caller's tail right after it, past a gap above it or
+# apart, and rounded by a second call) in alternating rounds, its two-part product against one
+# batched product (strided, and from arrays of pointers), lmloss's dW
 # errors against float64 (bench/dw_rounding.py's emulation, checked), and lmloss.torch with the
 # kept sum against a float32 dW of its own beside torch.compile, at llama3-8b and a 70B head
 # (H 8192).
 if has_stage dw; then
   echo "== dW: its dtype and rounding, its products in two parts, its error"
   for round in 1 2; do
-    for dw in f32 input input-once input-kept input-kept-apart; do
+    for dw in f32 input input-once input-kept input-kept-gap input-kept-apart; do
       run "$BUILD/tools/bench_cuda_modes" --preset llama3-8b --modes fwd_bwd --repeats 5 --dw-dtype $dw 2>&1 |
         sed "s/^fwd_bwd /dw $dw round $round: /" | tee -a "$OUT/modes_dw.log"
     done

@@ -86,9 +86,9 @@ cudaDataType_t cuda_type(lmloss_dtype d) {
 size_t type_size(lmloss_dtype d) { return d == LMLOSS_F32 ? 4 : 2; }
 
 // A product's row strides other than the contiguous ones (0: contiguous), and a strided batch:
-// `batch` products, matrix i of each operand `batch_*` elements after matrix i - 1 (which may be
-// negative). With `pointer_array`, the batch's matrices are wherever device arrays of `batch`
-// pointers say: run() then takes those arrays in place of the operands.
+// `batch` products, matrix i of each operand `batch_*` elements after matrix i - 1. With
+// `pointer_array`, the batch's matrices are wherever device arrays of `batch` pointers say: run()
+// then takes those arrays in place of the operands.
 struct ProductStrides {
   int64_t lda = 0, ldb = 0, ldc = 0;
   int32_t batch = 1;
@@ -998,9 +998,8 @@ class ModesBench {
   // [V/2, V), as an f32 sum kept over a 16-bit dW's own bytes and a second buffer would take it:
   // as one product into a whole dW (the default's), as two products (one a part, as
   // LMLOSS_SUM_GRAD_WEIGHT_IN_F32 runs them), and as one strided-batched product over both parts
-  // (the batch stride of D the distance between the buffers, then its negative: the first rows at
-  // the higher address), and as one product batched from arrays of pointers (the parts wherever
-  // they lie). Can the parts cost what the whole does? The batched sums are compared with the two
+  // (the batch stride of D the distance between the buffers), and as one product batched from
+  // arrays of pointers (the parts wherever they lie). Can the parts cost what the whole does? The batched sums are compared with the two
   // products'.
   void dw_parts_probe(int64_t rows) {
     if (v_ % 2 != 0) {
@@ -1063,7 +1062,7 @@ class ModesBench {
       }
       return scale > 0 ? diff / scale : 0.0;
     };
-    bool two_ran = false, batched_ran = false, reversed_ran = false, pointers_ran = false;
+    bool two_ran = false, batched_ran = false, pointers_ran = false;
     const double two = timed_or_not([&] {
       each_chunk([&](int64_t r0, int64_t m) {
         product(r0, m, part, 0, lo);
@@ -1074,15 +1073,10 @@ class ModesBench {
     const double batched = timed_or_not(
         [&] { each_chunk([&](int64_t r0, int64_t m) { product(r0, m, both, 0, lo); }); }, batched_ran);
     const double batched_diff = batched_ran ? largest_difference(two_sums, sums(lo, hi)) : 0;
-    // The first rows at the higher address (a caller's tail below its gradient): D's batch stride
-    // negative.
-    ProductStrides reversed = both;
-    reversed.batch_c = -d_stride;
-    const double backwards = timed_or_not(
-        [&] { each_chunk([&](int64_t r0, int64_t m) { product(r0, m, reversed, 0, hi); }); }, reversed_ran);
-    const double reversed_diff = reversed_ran ? largest_difference(two_sums, sums(hi, lo)) : 0;
-    // The batch's matrices from arrays of pointers, made for every chunk before the timing (a
-    // library would have a small kernel write them): the two parts wherever they lie.
+    // The first rows at the higher address (a caller's tail below its gradient) would need D's
+    // batch stride negative: cuBLASLt 13.1 then read out of bounds (run 48). Arrays of pointers
+    // instead, made for every chunk before the timing (a library would have a small kernel write
+    // them): the two parts wherever they lie, here the first at the higher address.
     ProductStrides arrays = part;
     arrays.batch = 2;
     arrays.pointer_array = true;
@@ -1110,11 +1104,10 @@ class ModesBench {
       std::snprintf(text, sizeof text, ran ? "%8.3f ms" : "did not run", ms);
       return std::string(text);
     };
-    std::printf("dw-parts  chunk %5lld rows  whole %8.3f ms  two products %s  one batched %s  batched backwards"
-                " %s  from pointer arrays %s  (each against two: max difference %.2e, %.2e, %.2e of the largest)\n",
+    std::printf("dw-parts  chunk %5lld rows  whole %8.3f ms  two products %s  one batched %s  from pointer arrays"
+                " %s  (each against two: max difference %.2e, %.2e of the largest)\n",
                 (long long)rows, whole, shown(two, two_ran).c_str(), shown(batched, batched_ran).c_str(),
-                shown(backwards, reversed_ran).c_str(), shown(pointers, pointers_ran).c_str(), batched_diff,
-                reversed_diff, pointers_diff);
+                shown(pointers, pointers_ran).c_str(), batched_diff, pointers_diff);
     std::fflush(stdout);
   }
 
