@@ -110,16 +110,24 @@ def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_w
 
 def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
     """A 16-bit weight's gradient, over whose bytes the first rows of its float32 sum are held,
-    and the sum's tail, placed one after the other where _api.weight_sum_placed_together says
-    (the sum then one float32 matrix, which each token chunk's product fills at once; else two
-    products a chunk). As _api._weight_sum_buffers does for the array functions, on tensors that
-    may be fake here (traced): always aligned, never asked for their address."""
+    and the sum's tail. Where the two are of one size (a vocabulary of a multiple of 16), two
+    blocks of that size are taken and the lower becomes the gradient, so that the tail lies above
+    it: right after it where _api.weight_sum_placed_together says they are asked for so (the sum
+    then one float32 matrix, one product a token chunk), else past a gap (one product batched over
+    both parts, on CUDA), never below (two products a chunk). Traced, the tensors may be fake:
+    always aligned, never asked for their address."""
     vocab, hidden = weight.shape
     tail_rows = _api.weight_sum_tail_rows(vocab)
-    if _api.weight_sum_placed_together(vocab, weight.device.type == "cuda") and not _traced(weight):
+    if 2 * tail_rows != vocab or _traced(weight):
+        return (_empty_like_shape(weight, weight.shape, weight.dtype),
+                _empty_like_shape(weight, (tail_rows, hidden), torch.float32))
+    if _api.weight_sum_placed_together(vocab, weight.device.type == "cuda"):
         torch.empty(vocab * hidden, dtype=torch.float32, device=weight.device)  # freed at once
-    g_weight = _empty_like_shape(weight, weight.shape, weight.dtype)
-    tail = _empty_like_shape(weight, (tail_rows, hidden), torch.float32)
+    blocks = [_empty_like_shape(weight, weight.shape, weight.dtype) for _ in range(2)]
+    g_weight, above = sorted(blocks, key=Tensor.data_ptr)
+    tail = torch.empty(0, dtype=torch.float32, device=weight.device)
+    offset = above.storage_offset() * above.element_size() // 4  # in float32 elements
+    tail.set_(above.untyped_storage(), offset, (tail_rows, hidden), (hidden, 1))
     return g_weight, tail
 
 

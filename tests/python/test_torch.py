@@ -3,6 +3,7 @@ step against the naive loss, and on a CUDA device bf16 parity on large shapes, P
 and allocator, and no host sync. Skipped, with the reason, where PyTorch or CUDA is absent."""
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -592,6 +593,44 @@ def test_cuda_weight_gradient_cast_without_a_full_size_temporary(keep, monkeypat
     assert_close(x.grad, xr.grad, "bfloat16", "hidden gradient")
 
 
+def weight_sum_tail_lies_above(device, vocab, hidden):
+    """Checks lmloss.torch's buffers for a 16-bit weight's kept sum over a vocabulary of a multiple
+    of 16: the tail at or past the gradient's end (one f32 matrix, or one product batched over both
+    parts, never two)."""
+    w = torch.empty(vocab, hidden, dtype=torch.bfloat16, device=device)
+    g_weight, tail = lt._weight_sum_buffers(w)
+    assert g_weight.dtype == torch.bfloat16 and g_weight.shape == w.shape
+    assert tail.dtype == torch.float32 and tail.shape == (vocab // 2, hidden)
+    assert g_weight.is_contiguous() and tail.is_contiguous()
+    assert tail.data_ptr() >= g_weight.data_ptr() + g_weight.nbytes
+
+
+def test_weight_sum_tail_lies_above_the_gradient(monkeypatch):
+    # An allocator that hands out each block below the one before, as a caching allocator may.
+    arena = torch.empty(1 << 22, dtype=torch.uint8)
+    top = [arena.numel()]
+
+    def top_down(ref, shape, dtype):
+        size = math.prod(shape) * dtype.itemsize
+        top[0] -= (size + 511) // 512 * 512
+        t = torch.empty(0, dtype=dtype)
+        return t.set_(arena.untyped_storage(), top[0] // dtype.itemsize, tuple(shape),
+                      (shape[1], 1) if len(shape) == 2 else (1,))
+
+    monkeypatch.setattr(lt, "_empty_like_shape", top_down)
+    weight_sum_tail_lies_above("cpu", 4096, 40)
+
+
+@needs_cuda
+def test_cuda_weight_sum_tail_lies_above_the_gradient_in_a_used_allocator():
+    # A cached block between one and two gradients in size (4 MiB each: the allocator's large
+    # blocks) takes the first of the two blocks asked for, the given-back one the second: the
+    # lower of them becomes the gradient.
+    spare = torch.empty(6 << 20, dtype=torch.uint8, device="cuda")
+    del spare
+    weight_sum_tail_lies_above("cuda", 32768, 64)
+
+
 def test_weight_sum_placed_together_only_where_the_allocator_splits_its_block(monkeypatch):
     place = lmloss._api.weight_sum_placed_together
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
@@ -622,8 +661,8 @@ def test_cuda_weight_sum_is_one_matrix_where_the_vocabulary_allows(vocab):
     # where it has no other: in a fresh process, not always in a long one (docs/python.md).
     conf = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
     env = {k: v for k, v in os.environ.items() if k not in conf}
-    run = subprocess.run([sys.executable, "-c", _PLACEMENT, str(vocab)], env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", _PLACEMENT, str(vocab)], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     adjacent, asked_together = run.stdout.split()[-2:]
     assert adjacent == asked_together == str(vocab % 16 == 0)
