@@ -42,6 +42,20 @@ int algorithm_tile(const cublasLtMatmulAlgo_t& algo) {
   return st == CUBLAS_STATUS_SUCCESS && written == sizeof(tile) ? int(tile) : 0;
 }
 
+// A batch's count and strides on the plan's layouts: for the heuristic, then for each run (the
+// strides may differ from run to run; see MatmulShape).
+cublasStatus_t set_batch(MatmulPlan& p, const MatmulShape& s) {
+  const std::pair<cublasLtMatrixLayout_t, int64_t> layouts[3] = {
+      {p.a, s.batch_stride_a}, {p.b, s.batch_stride_b}, {p.d, s.batch_stride_d}};
+  cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+  for (const auto& [layout, stride] : layouts)
+    if ((st = lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &s.batch, sizeof(s.batch))) ||
+        (st = lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                            sizeof(stride))))
+      break;
+  return st;
+}
+
 void destroy(MatmulPlan& p) {
   if (p.a) lt().MatrixLayoutDestroy(p.a);
   if (p.b) lt().MatrixLayoutDestroy(p.b);
@@ -96,16 +110,7 @@ lmloss_status MatmulCache::plan(const MatmulShape& s, MatmulPlan** out) {
       (st = lt().MatrixLayoutCreate(&p.b, cuda_type(s.ab_type), b_rows, b_cols, s.ldb)) ||
       (st = lt().MatrixLayoutCreate(&p.d, cuda_type(s.d_type), s.m, s.n, s.ldd)))
     return fail_with("layout", st);
-  if (s.batch > 1) {
-    const std::pair<cublasLtMatrixLayout_t, int64_t> layouts[3] = {
-        {p.a, s.batch_stride_a}, {p.b, s.batch_stride_b}, {p.d, s.batch_stride_d}};
-    for (const auto& [layout, stride] : layouts)
-      if ((st = lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &s.batch,
-                                              sizeof(s.batch))) ||
-          (st = lt().MatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
-                                              sizeof(stride))))
-        return fail_with("batch layout", st);
-  }
+  if (s.batch > 1 && (st = set_batch(p, s))) return fail_with("batch layout", st);
 
   cublasLtMatmulPreference_t pref = nullptr;
   if ((st = lt().MatmulPreferenceCreate(&pref))) return fail_with("preference", st);
@@ -206,6 +211,7 @@ lmloss_status MatmulCache::run(MatmulShape shape, const void* a, const void* b, 
   if (workspace == nullptr) shape.workspace_bytes = 0;
   MatmulPlan* p = nullptr;
   if (const lmloss_status st = plan(shape, &p); st != LMLOSS_SUCCESS) return st;
+  if (shape.batch > 1) LMLOSS_LT_TRY("batch layout", set_batch(*p, shape));
   if (tuning && !p->tuned) {
     LMLOSS_CHECK(refuse_under_capture(stream,
                                       "product tuning: a product shape's first call times cuBLASLt's candidates "

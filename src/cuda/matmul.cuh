@@ -25,7 +25,8 @@
 namespace lmloss::cuda {
 
 // One column-major product D (m, n) = alpha op(A) op(B) + beta C, C = D; or `batch` of them, the
-// i-th of each operand batch_stride_* elements after the (i-1)-th.
+// i-th of each operand batch_stride_* elements after the (i-1)-th. The strides are not part of
+// the plan's key (a caller's buffers may lie at another distance each call): each run sets them.
 struct MatmulShape {
   int64_t m = 0, n = 0, k = 0;
   int64_t lda = 0, ldb = 0, ldd = 0;
@@ -43,8 +44,8 @@ struct MatmulShape {
   int preferred_tile = 0;
 
   auto key() const {
-    return std::tuple(m, n, k, lda, ldb, ldd, batch, batch_stride_a, batch_stride_b, batch_stride_d, trans_a,
-                      trans_b, int(ab_type), int(d_type), workspace_bytes, align_a, align_b, align_d, preferred_tile);
+    return std::tuple(m, n, k, lda, ldb, ldd, batch, trans_a, trans_b, int(ab_type), int(d_type), workspace_bytes,
+                      align_a, align_b, align_d, preferred_tile);
   }
   bool operator<(const MatmulShape& o) const { return key() < o.key(); }
 };
