@@ -20,7 +20,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _lmloss
-from ._arrays import FLOAT_DTYPES, Array, as_array, empty, to_float
+from ._arrays import FLOAT_DTYPES, Array, as_array, empty, float32_over, to_float
 
 _REDUCTIONS = ("mean", "sum", "none")
 _SIXTEEN_BIT = ("bfloat16", "float16")
@@ -391,14 +391,19 @@ def _weight_sum_buffers(x: Array, shape, dtype: str):
     """A 16-bit grad_weight and the float32 tail of its kept sum (the library's
     grad_weight_sum_tail): the sum is summed over the gradient's own bytes (its first half of rows,
     when they are 16-byte aligned) and the tail, and rounded once into the gradient after the
-    call. On CUDA with a vocabulary of a multiple of 16, the two are taken from PyTorch's caching
-    allocator right after one block of both sizes is given back, which places the tail where the
-    gradient's bytes end: the sum is then one float32 matrix (one product a chunk; see
-    weight_sum_placed_together)."""
+    call. For PyTorch tensors over a vocabulary of a multiple of 16 the two are of one size: two
+    such blocks are taken and the lower becomes the gradient, so that the tail lies right after it
+    or above it (one product a token chunk, whole or batched over both parts), never below (two).
+    On CUDA they are asked of PyTorch's caching allocator right after one block of both sizes is
+    given back, which places the tail where the gradient's bytes end: the sum is then one float32
+    matrix (see weight_sum_placed_together)."""
     vocab, hidden = shape
     least = weight_sum_tail_rows(vocab)
     if weight_sum_placed_together(vocab, x.device >= 0):
         empty(x, (vocab * hidden,), "float32")  # given back at once
+    if 2 * least == vocab and x.kind == "torch":
+        g_weight, above = sorted((empty(x, shape, dtype) for _ in range(2)), key=_data_address)
+        return g_weight, float32_over(above, (least, hidden))
     g_weight = empty(x, shape, dtype)
     tail_rows = least if _data_address(g_weight) % 16 == 0 else vocab
     return g_weight, empty(x, (tail_rows, hidden), "float32")

@@ -173,6 +173,15 @@ def empty(like: Array, shape, dtype: str):
     return torch.empty(shape, dtype=getattr(torch, dtype), device=like.data.device)
 
 
+def float32_over(block, shape):
+    """A float32 PyTorch tensor of `shape` over the bytes of `block` (a tensor of at least as many
+    bytes): a tensor of its own over block's storage, not a view; block may be dropped."""
+    torch = _torch()
+    out = torch.empty(0, dtype=torch.float32, device=block.device)
+    offset = block.storage_offset() * block.element_size() // 4  # in float32 elements
+    return out.set_(block.untyped_storage(), offset, tuple(shape), (shape[1], 1))
+
+
 def to_float(scalar, kind: str) -> float:
     """A 0-d result as a Python float (on CUDA this waits for the result)."""
     if kind == "numpy":

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from . import _api
-from ._arrays import check_not_sharded
+from ._arrays import check_not_sharded, float32_over
 
 __all__ = [
     "cross_entropy",
@@ -125,10 +125,7 @@ def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
         torch.empty(vocab * hidden, dtype=torch.float32, device=weight.device)  # freed at once
     blocks = [_empty_like_shape(weight, weight.shape, weight.dtype) for _ in range(2)]
     g_weight, above = sorted(blocks, key=Tensor.data_ptr)
-    tail = torch.empty(0, dtype=torch.float32, device=weight.device)
-    offset = above.storage_offset() * above.element_size() // 4  # in float32 elements
-    tail.set_(above.untyped_storage(), offset, (tail_rows, hidden), (hidden, 1))
-    return g_weight, tail
+    return g_weight, float32_over(above, (tail_rows, hidden))
 
 
 def _round_grad_weight_impl(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> None:

@@ -261,8 +261,9 @@ def test_autocast_takes_the_product_in_its_dtype(device):
         lt.linear_cross_entropy(xb, w, y)
 
 
+@pytest.mark.parametrize("vocab", [1000, 1008])  # 1008: the gradient and the tail of one size
 @pytest.mark.parametrize("device", ARRAY_DEVICES)
-def test_plain_api_sums_a_bf16_weight_gradient_once(device):
+def test_plain_api_sums_a_bf16_weight_gradient_once(device, vocab):
     """The plain API's bf16 grad_weight and grad_bias over many chunks of tokens are their float32
     sums rounded once: no further from float64 than the float64 sums rounded to bf16 (rounded
     after each of 8 chunks of 256 rows, as CUDA's default does, they would be 2.1x further), and
@@ -270,7 +271,7 @@ def test_plain_api_sums_a_bf16_weight_gradient_once(device):
     (the two calls' sums may differ in their last bits: the CPU's chunks are smaller where the
     float32 sum takes workspace, and CUDA's products of the sum's two halves have shapes of their
     own)."""
-    x, w, b, y = bf16_head(device, seed=3)
+    x, w, b, y = bf16_head(device, seed=3, v=vocab)
     with chunks_of_256_rows(w.shape[0]):
         r16 = lmloss.linear_cross_entropy(x, w, y, bias=b, grad=True)
         r32 = lmloss.linear_cross_entropy(x, w, y, bias=b, grad=True, grad_weight_dtype=torch.float32)
@@ -593,32 +594,42 @@ def test_cuda_weight_gradient_cast_without_a_full_size_temporary(keep, monkeypat
     assert_close(x.grad, xr.grad, "bfloat16", "hidden gradient")
 
 
-def weight_sum_tail_lies_above(device, vocab, hidden):
-    """Checks lmloss.torch's buffers for a 16-bit weight's kept sum over a vocabulary of a multiple
-    of 16: the tail at or past the gradient's end (one f32 matrix, or one product batched over both
-    parts, never two)."""
+def weight_sum_tail_lies_above(device, vocab, hidden, array_api=False):
+    """Checks the buffers lmloss.torch (or, with array_api, the array functions on tensors) takes
+    for a 16-bit weight's kept sum over a vocabulary of a multiple of 16: the tail at or past the
+    gradient's end (one f32 matrix, or one product batched over both parts, never two)."""
     w = torch.empty(vocab, hidden, dtype=torch.bfloat16, device=device)
-    g_weight, tail = lt._weight_sum_buffers(w)
+    if array_api:
+        g_weight, tail = lmloss._api._weight_sum_buffers(lmloss._api.as_array(w, "w"), w.shape,
+                                                         "bfloat16")
+    else:
+        g_weight, tail = lt._weight_sum_buffers(w)
     assert g_weight.dtype == torch.bfloat16 and g_weight.shape == w.shape
     assert tail.dtype == torch.float32 and tail.shape == (vocab // 2, hidden)
     assert g_weight.is_contiguous() and tail.is_contiguous()
     assert tail.data_ptr() >= g_weight.data_ptr() + g_weight.nbytes
 
 
-def test_weight_sum_tail_lies_above_the_gradient(monkeypatch):
+@pytest.mark.parametrize("array_api", [False, True])
+def test_weight_sum_tail_lies_above_the_gradient(monkeypatch, array_api):
     # An allocator that hands out each block below the one before, as a caching allocator may.
     arena = torch.empty(1 << 22, dtype=torch.uint8)
     top = [arena.numel()]
 
-    def top_down(ref, shape, dtype):
+    def top_down(shape, dtype):
         size = math.prod(shape) * dtype.itemsize
         top[0] -= (size + 511) // 512 * 512
         t = torch.empty(0, dtype=dtype)
         return t.set_(arena.untyped_storage(), top[0] // dtype.itemsize, tuple(shape),
                       (shape[1], 1) if len(shape) == 2 else (1,))
 
-    monkeypatch.setattr(lt, "_empty_like_shape", top_down)
-    weight_sum_tail_lies_above("cpu", 4096, 40)
+    if array_api:
+        monkeypatch.setattr(lmloss._api, "empty",
+                            lambda like, shape, dtype: top_down(shape, getattr(torch, dtype)))
+    else:
+        monkeypatch.setattr(lt, "_empty_like_shape",
+                            lambda ref, shape, dtype: top_down(shape, dtype))
+    weight_sum_tail_lies_above("cpu", 4096, 40, array_api)
 
 
 @needs_cuda
@@ -626,9 +637,10 @@ def test_cuda_weight_sum_tail_lies_above_the_gradient_in_a_used_allocator():
     # A cached block between one and two gradients in size (4 MiB each: the allocator's large
     # blocks) takes the first of the two blocks asked for, the given-back one the second: the
     # lower of them becomes the gradient.
-    spare = torch.empty(6 << 20, dtype=torch.uint8, device="cuda")
-    del spare
-    weight_sum_tail_lies_above("cuda", 32768, 64)
+    for array_api in (False, True):
+        spare = torch.empty(6 << 20, dtype=torch.uint8, device="cuda")
+        del spare
+        weight_sum_tail_lies_above("cuda", 32768, 64, array_api)
 
 
 def test_weight_sum_placed_together_only_where_the_allocator_splits_its_block(monkeypatch):
