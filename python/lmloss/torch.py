@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from . import _api
-from ._arrays import check_not_sharded, float32_over
+from ._arrays import as_array, check_not_sharded
 
 __all__ = [
     "cross_entropy",
@@ -110,22 +110,17 @@ def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_w
 
 def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
     """A 16-bit weight's gradient, over whose bytes the first rows of its float32 sum are held,
-    and the sum's tail. Where the two are of one size (a vocabulary of a multiple of 16), two
-    blocks of that size are taken and the lower becomes the gradient, so that the tail lies above
-    it: right after it where _api.weight_sum_placed_together says they are asked for so (the sum
-    then one float32 matrix, one product a token chunk), else past a gap (one product batched over
-    both parts, on CUDA), never below (two products a chunk). Traced, the tensors may be fake:
-    always aligned, never asked for their address."""
+    and the sum's tail: as the array functions take them (_api._weight_sum_buffers: for a
+    vocabulary of a multiple of 16, the lower of two blocks of one size is the gradient, so that
+    the tail never lies below it). Traced, the tensors may be fake: always aligned, never asked
+    for their address."""
     vocab, hidden = weight.shape
     tail_rows = _api.weight_sum_tail_rows(vocab)
     if 2 * tail_rows != vocab or _traced(weight):
         return (_empty_like_shape(weight, weight.shape, weight.dtype),
                 _empty_like_shape(weight, (tail_rows, hidden), torch.float32))
-    if _api.weight_sum_placed_together(vocab, weight.device.type == "cuda"):
-        torch.empty(vocab * hidden, dtype=torch.float32, device=weight.device)  # freed at once
-    blocks = [_empty_like_shape(weight, weight.shape, weight.dtype) for _ in range(2)]
-    g_weight, above = sorted(blocks, key=Tensor.data_ptr)
-    return g_weight, float32_over(above, (tail_rows, hidden))
+    w = as_array(weight, "weight")
+    return _api._weight_sum_buffers(w, w.shape, w.dtype)
 
 
 def _round_grad_weight_impl(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> None:

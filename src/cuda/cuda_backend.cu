@@ -1165,12 +1165,10 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         s.batch = 2;
         s.batch_stride_b = dw.split;
         s.batch_stride_d = dw_parts_stride;
-        LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad, dw.rows, alpha, beta, matmul_ws, r.stream,
-                                        r.context.tune_products));
-      } else if (s.n > 0) {
-        LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad, dw.rows, alpha, beta, matmul_ws, r.stream,
-                                        r.context.tune_products));
       }
+      if (s.n > 0)
+        LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad, dw.rows, alpha, beta, matmul_ws, r.stream,
+                                        r.context.tune_products));
       if (dw.split < call.vocab && dw_parts_stride == 0) {  // the tail: the gradient's columns from split on
         s.n = call.vocab - dw.split;
         s.ldd = dw.tail_ld;

@@ -623,12 +623,8 @@ def test_weight_sum_tail_lies_above_the_gradient(monkeypatch, array_api):
         return t.set_(arena.untyped_storage(), top[0] // dtype.itemsize, tuple(shape),
                       (shape[1], 1) if len(shape) == 2 else (1,))
 
-    if array_api:
-        monkeypatch.setattr(lmloss._api, "empty",
-                            lambda like, shape, dtype: top_down(shape, getattr(torch, dtype)))
-    else:
-        monkeypatch.setattr(lt, "_empty_like_shape",
-                            lambda ref, shape, dtype: top_down(shape, dtype))
+    monkeypatch.setattr(lmloss._api, "empty",
+                        lambda like, shape, dtype: top_down(shape, getattr(torch, dtype)))
     weight_sum_tail_lies_above("cpu", 4096, 40, array_api)
 
 
