@@ -1,6 +1,7 @@
 // Bad input, one test per validation rule: the status, a message that starts with the
 // argument's name as the header spells it, and every output byte still as it was poisoned.
 #include <cstddef>
+#include <cstring>
 #include <functional>
 #include <string>
 
@@ -22,6 +23,14 @@ struct LossArgs {
 LossArgs args_of(const LossCase& c) {
   return {c.head(), c.targets(), c.options, c.loss_tensor(), c.lse_tensor(),
           c.grad_loss_tensor(), c.grads()};
+}
+
+// Stores `value` in one of the C API's enum fields as a C caller may, whatever its enumerators
+// (in C++ a static_cast of such a value is itself undefined).
+template <class Enum>
+void store_raw(Enum& field, int value) {
+  static_assert(sizeof(Enum) == sizeof(int));
+  std::memcpy(&field, &value, sizeof value);
 }
 
 lmloss_status call(lmloss_context* ctx, Mode mode, const LossArgs& a) {
@@ -327,13 +336,39 @@ TEST_P(Validation, LossShapeMustFitTheReduction) {
   }
 }
 
-TEST_P(Validation, BadOptionValues) {
-  {
-    LossCase c = logits_case();
-    LossArgs a = args_of(c);
-    a.options.reduction = static_cast<lmloss_reduction>(7);
-    expect_loss_rejected(c, a, "options.reduction");
+// Enum fields holding values no enumerator has (tests/test_c_enums.c calls the functions that
+// take an enum by value, which C++ cannot do with such a value).
+TEST_P(Validation, UnknownEnumValues) {
+  for (int value : {-1, 4, 7, 1 << 20}) {
+    SCOPED_TRACE(value);
+    {
+      LossCase c = logits_case();
+      LossArgs a = args_of(c);
+      store_raw(a.options.reduction, value);
+      expect_loss_rejected(c, a, "options.reduction");
+    }
+    {
+      LossCase c = logits_case();
+      LossArgs a = args_of(c);
+      store_raw(a.targets.labels.dtype, value + 16);
+      expect_loss_rejected(c, a, "targets.labels");
+    }
+    {
+      LossCase c = linear_case();
+      LossArgs a = args_of(c);
+      store_raw(a.head.weight.dtype, -value - 8);
+      expect_loss_rejected(c, a, "head.weight");
+    }
+    {
+      LossCase c = linear_case();
+      LossArgs a = args_of(c);
+      store_raw(a.grads.grad_hidden.device_type, value);
+      expect_loss_rejected(c, a, "grads.grad_hidden");
+    }
   }
+}
+
+TEST_P(Validation, BadOptionValues) {
   {
     LossCase c = logits_case();
     LossArgs a = args_of(c);

@@ -97,7 +97,7 @@ using namespace lmloss::core;
 extern "C" {
 
 const char* lmloss_status_string(lmloss_status status) {
-  switch (status) {
+  switch (raw_enum(status)) {
     case LMLOSS_SUCCESS: return "success";
     case LMLOSS_ERROR_INVALID_ARGUMENT: return "invalid argument";
     case LMLOSS_ERROR_UNSUPPORTED: return "unsupported";
@@ -195,8 +195,9 @@ lmloss_status lmloss_context_synchronize(lmloss_context* context) {
 }
 
 int lmloss_backend_available(lmloss_device_type device_type) {
-  if (device_type == LMLOSS_DEVICE_CPU) return 1;
-  if (device_type != LMLOSS_DEVICE_CUDA) return 0;
+  const int64_t type = raw_enum(device_type);
+  if (type == LMLOSS_DEVICE_CPU) return 1;
+  if (type != LMLOSS_DEVICE_CUDA) return 0;
   Backend* cuda = cuda_backend();
   return cuda && cuda->available() ? 1 : 0;
 }

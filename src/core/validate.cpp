@@ -31,9 +31,10 @@ lmloss_status invalid(const std::string& name, const std::string& what) {
 // Structural checks every present tensor passes: known dtype and device, sane rank and stride.
 lmloss_status check_tensor(const lmloss_tensor& t, const char* name) {
   if (t.data == nullptr) return LMLOSS_SUCCESS;
-  if (t.dtype < 0 || t.dtype >= LMLOSS_DTYPE_COUNT) return invalid(name, "unknown dtype");
-  if (t.device_type < 0 || t.device_type >= LMLOSS_DEVICE_TYPE_COUNT)
-    return invalid(name, "unknown device type");
+  const int64_t dtype = raw_enum(t.dtype), device_type = raw_enum(t.device_type);
+  if (dtype < 0 || dtype >= LMLOSS_DTYPE_COUNT) return invalid(name, "unknown dtype " + std::to_string(dtype));
+  if (device_type < 0 || device_type >= LMLOSS_DEVICE_TYPE_COUNT)
+    return invalid(name, "unknown device type " + std::to_string(device_type));
   if (t.device_index < 0) return invalid(name, "negative device index");
   if (t.ndim < 0 || t.ndim > 2) return invalid(name, "rank must be 0, 1 or 2, got " + std::to_string(t.ndim));
   for (int d = 0; d < t.ndim; ++d)
@@ -145,7 +146,9 @@ lmloss_status check_scaling(double softcap, double temperature, const char* soft
 }
 
 lmloss_status check_options(const lmloss_loss_options& o) {
-  if (o.reduction < 0 || o.reduction >= LMLOSS_REDUCTION_COUNT) return invalid("options.reduction", "unknown reduction");
+  const int64_t reduction = raw_enum(o.reduction);
+  if (reduction < 0 || reduction >= LMLOSS_REDUCTION_COUNT)
+    return invalid("options.reduction", "unknown reduction " + std::to_string(reduction));
   if (!finite(o.normalizer) || o.normalizer < 0) return invalid("options.normalizer", "must be finite and >= 0 (0: the counted tokens)");
   if (!finite(o.ce_weight)) return invalid("options.ce_weight", "must be finite");
   if (!finite(o.kd_weight)) return invalid("options.kd_weight", "must be finite");

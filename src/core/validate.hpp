@@ -2,10 +2,25 @@
 // without reading the device, with a message that names the argument. Nothing is written here.
 #pragma once
 
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
 #include "core/backend.hpp"
 #include "lmloss/lmloss.h"
 
 namespace lmloss::core {
+
+// The integer a caller stored in one of the C API's enum fields. C lets any int be stored there,
+// but C++ may assume an enum holds only values within its enumerators' bit width (reading 7 from
+// an lmloss_reduction is undefined), so a value not yet checked is read as its bytes.
+template <class Enum>
+int64_t raw_enum(const Enum& value) {
+  static_assert(std::is_enum_v<Enum>);
+  std::underlying_type_t<Enum> raw;
+  std::memcpy(&raw, &value, sizeof raw);
+  return int64_t(raw);
+}
 
 // Checks the arguments of a loss call and fills `call`. `loss`, `lse`, `grad_loss` and `grads`
 // may be null where the mode does not use them.
