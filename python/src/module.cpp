@@ -203,6 +203,17 @@ struct ThreadState {
   int num_threads = -1;                                    // -1: the library's default
   bool tune_products = false;
 
+  // A thread's contexts go with it (the main thread's are released at the interpreter's exit,
+  // by the package). Once the interpreter has finalized the process is exiting, and they are
+  // left to the exit instead: PyTorch's autograd threads (where backward calls the library on
+  // CUDA) end during the process's static destruction, when the CUDA runtime and cuBLASLt that a
+  // context's teardown calls may already be gone. The driver reclaims an exiting process's
+  // memory, streams and handles.
+  ~ThreadState() {
+    if (interpreter_alive()) return;
+    for (auto& [key, dc] : contexts) static_cast<void>(dc.release());
+  }
+
   DeviceContext& get(int key) {
     auto& slot = contexts[key];
     if (!slot) {

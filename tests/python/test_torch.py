@@ -676,6 +676,36 @@ def test_cuda_weight_sum_is_one_matrix_where_the_vocabulary_allows(vocab):
     assert adjacent == asked_together == str(vocab % 16 == 0)
 
 
+# Steps on the main thread and on one of its own, then the process exits. On CUDA, backward calls
+# the library from PyTorch's autograd thread, whose contexts are torn down only as the process
+# ends (after the interpreter): they are left to the exit then (a teardown there may meet a CUDA
+# runtime already gone).
+_STEPS_THEN_EXIT = """
+import sys, threading, torch, lmloss.torch as lt
+device = sys.argv[1]
+def step():
+    x = torch.randn(64, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+    w = torch.randn(1000, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+    y = torch.randint(0, 1000, (64,), device=device)
+    lt.linear_cross_entropy(x, w, y).backward()
+    assert bool(torch.isfinite(w.grad.float()).all()) and x.grad is not None
+step()
+worker = threading.Thread(target=step)
+worker.start()
+worker.join()
+print("stepped")
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_process_exits_cleanly_after_steps(device):
+    for _ in range(3 if device == "cuda" else 1):
+        run = subprocess.run([sys.executable, "-c", _STEPS_THEN_EXIT, device],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and run.stdout.split()[-1:] == ["stepped"], (
+            run.returncode, run.stderr[-2000:])
+
+
 @needs_cuda
 def test_cuda_compile_inductor_and_bad_label_flag():
     x, w, b, y = linear_inputs(dtype=torch.bfloat16, device="cuda", batch=(8, 128), v=4096, h=256)
