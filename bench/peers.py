@@ -14,8 +14,11 @@ favoured the first methods). With --rounds R the methods run R times, in reverse
 other round, a row for each. With --accuracy the cross-entropy steps are also compared with a
 float64 reference of the same bf16 inputs (loss, dX, dW; relative error of the norm), and so are
 lmloss's dW in float32 and in bf16, rounded once and after each token chunk. With
---profile each step's kernels are summed by name from one run under torch.profiler. Prints a
-table and writes JSON.
+--profile each step's kernels are summed by name from one run under torch.profiler. With
+--launch-ahead MS a sleep kernel of about MS ms goes before each timed run, so that the host's
+work before a step's first kernel (dispatch, allocation, a compiled graph's guards) overlaps it as
+in a training loop, where the host runs ahead, and the events time the GPU's work alone; without
+it they time that host work too. Prints a table and writes JSON.
 
   python3 bench/peers.py --presets llama3-8b,gemma2-2b --json peers.json
 """
@@ -45,6 +48,7 @@ MODES = {
 }
 
 _flush = None
+_launch_ahead_cycles = 0  # --launch-ahead: a sleep kernel's cycles queued before each timed run
 
 
 def flush_l2():
@@ -66,6 +70,8 @@ def timed(fn, repeats):
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if _launch_ahead_cycles:
+            torch.cuda._sleep(_launch_ahead_cycles)
         start.record()
         out = fn()
         stop.record()
@@ -75,6 +81,18 @@ def timed(fn, repeats):
         del out
     times.sort()
     return times[len(times) // 2], peak
+
+
+def sleep_cycles(ms):
+    """Cycles of torch.cuda._sleep that keep the GPU busy for about `ms` milliseconds."""
+    probe = 1 << 22
+    torch.cuda._sleep(probe)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    stop.record()
+    torch.cuda.synchronize()
+    return int(probe * ms / start.elapsed_time(stop))
 
 
 def make_inputs(n, h, v, dtype, seed=0):
@@ -282,10 +300,18 @@ def main():
                     help="also each step's kernels by device time (torch.profiler, one run)")
     ap.add_argument("--accuracy", action="store_true",
                     help="fwd_bwd: errors of loss, dX and dW against a float64 reference")
+    ap.add_argument("--launch-ahead", type=float, default=0.0, metavar="MS",
+                    help="keep the GPU busy this long before each timed run (a sleep kernel), so "
+                         "that the host's launches overlap it as in a training loop, where the "
+                         "host runs ahead: the time is then the GPU's alone")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     dev = torch.cuda.get_device_name()
-    print(f"# {dev}, torch {torch.__version__}, bf16, median of {args.repeats}, L2 flushed, CUDA events")
+    global _launch_ahead_cycles
+    _launch_ahead_cycles = sleep_cycles(args.launch_ahead) if args.launch_ahead > 0 else 0
+    ahead = f", launched {args.launch_ahead:g} ms ahead" if args.launch_ahead > 0 else ""
+    print(f"# {dev}, torch {torch.__version__}, bf16, median of {args.repeats}, L2 flushed, "
+          f"CUDA events{ahead}")
     rows = []
     keep = set(filter(None, args.methods.split(",")))
     for preset in args.presets.split(","):
@@ -373,7 +399,8 @@ def main():
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=dev, torch=torch.__version__, repeats=args.repeats, rows=rows), f, indent=1)
+            json.dump(dict(device=dev, torch=torch.__version__, repeats=args.repeats,
+                           launch_ahead_ms=args.launch_ahead, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -201,6 +201,10 @@ if has_stage dw; then
       --methods lmloss,lmloss-f32dw,torch.compile --repeats 5 --rounds 2 --json "$OUT/peers_kept_$hidden.json" 2>&1 |
       tee -a "$OUT/peers_kept.log"
   done
+  # The same with the host's launches ahead of the GPU, as in a training loop: the GPU's time alone.
+  pyrun env PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --modes fwd_bwd --launch-ahead 3 \
+    --methods lmloss,lmloss-f32dw,torch.compile --repeats 5 --rounds 2 --json "$OUT/peers_kept_ahead.json" 2>&1 |
+    tee -a "$OUT/peers_kept.log"
 fi
 
 if has_stage curve; then
