@@ -255,8 +255,8 @@ void cuda_check(cudaError_t error, const char* what) {
 Buffer::Buffer(Device device, lmloss_dtype dtype, int ndim, int64_t rows, int64_t cols,
                int64_t stride)
     : device_(device), dtype_(dtype), ndim_(ndim), rows_(ndim == 0 ? 1 : rows),
-      cols_(ndim == 2 ? cols : 1), stride_(ndim == 2 ? stride : 0) {
-  const int64_t elements = ndim == 2 ? rows_ * row_stride() : rows_;
+      cols_(ndim == 2 ? cols : 1), stride_(ndim >= 1 ? stride : 0) {
+  const int64_t elements = rows_ * row_stride();
   host_.assign(static_cast<size_t>(std::max<int64_t>(elements, 1)) * dtype_size(dtype), 0xFF);
   snapshot_ = host_;
 #if LMLOSS_TEST_CUDA
@@ -311,7 +311,7 @@ Buffer Buffer::of_ids(Device device, lmloss_dtype dtype, const std::vector<int64
 int64_t Buffer::count() const { return present() ? rows_ * cols_ : 0; }
 
 size_t Buffer::offset(int64_t i) const {
-  const int64_t element = ndim_ == 2 ? (i / cols_) * row_stride() + i % cols_ : i;
+  const int64_t element = (i / cols_) * row_stride() + i % cols_;
   return static_cast<size_t>(element) * dtype_size(dtype_);
 }
 
@@ -436,6 +436,7 @@ LossCase::LossCase(const reference::Problem& problem, const lmloss_loss_options&
   const int64_t pad = setup_.row_padding;
   const int64_t v_stride = pad > 0 ? V + pad : 0;
   const int64_t h_stride = pad > 0 ? H + pad : 0;
+  const int64_t vec = setup_.vector_stride;
 
   if (H == 0) {
     logits = Buffer::of_values(d, setup_.dtype, p.logits, 2, n, V, v_stride);
@@ -443,26 +444,26 @@ LossCase::LossCase(const reference::Problem& problem, const lmloss_loss_options&
   } else {
     hidden = Buffer::of_values(d, setup_.dtype, p.hidden_states, 2, n, H, h_stride);
     weight = Buffer::of_values(d, setup_.dtype, p.weight, 2, V, H, h_stride);
-    if (!p.bias.empty()) bias = Buffer::of_values(d, setup_.dtype, p.bias, 1, V);
+    if (!p.bias.empty()) bias = Buffer::of_values(d, setup_.dtype, p.bias, 1, V, 1, vec);
     if (setup_.want_grad_hidden) grad_hidden = Buffer(d, setup_.grad_dtype, 2, n, H, h_stride);
     if (setup_.want_grad_weight) grad_weight = Buffer(d, setup_.grad_dtype, 2, V, H, h_stride);
-    if (setup_.want_grad_bias && !p.bias.empty()) grad_bias = Buffer(d, setup_.grad_dtype, 1, V);
+    if (setup_.want_grad_bias && !p.bias.empty()) grad_bias = Buffer(d, setup_.grad_dtype, 1, V, 1, vec);
   }
-  if (!p.labels.empty()) labels = Buffer::of_ids(d, setup_.label_dtype, p.labels, 1, n);
+  if (!p.labels.empty()) labels = Buffer::of_ids(d, setup_.label_dtype, p.labels, 1, n, 1, vec);
   if (!p.teacher_ids.empty()) {
     teacher_ids = Buffer::of_ids(d, setup_.teacher_id_dtype, p.teacher_ids, 2, n, p.top_k);
     teacher_probs = Buffer::of_values(d, cdt, p.teacher_probs, 2, n, p.top_k);
   }
   if (!p.token_mask.empty()) {
     std::vector<int64_t> mask(p.token_mask.begin(), p.token_mask.end());
-    token_mask = Buffer::of_ids(d, LMLOSS_U8, mask, 1, n);
+    token_mask = Buffer::of_ids(d, LMLOSS_U8, mask, 1, n, 1, vec);
   }
   const bool per_token = options.reduction == LMLOSS_REDUCTION_NONE;
-  loss = per_token ? Buffer(d, cdt, 1, n) : Buffer(d, cdt, 0, 1);
-  if (setup_.want_lse) lse = Buffer(d, cdt, 1, n);
+  loss = per_token ? Buffer(d, cdt, 1, n, 1, vec) : Buffer(d, cdt, 0, 1);
+  if (setup_.want_lse) lse = Buffer(d, cdt, 1, n, 1, vec);
   if (!setup_.upstream.empty()) {
     for (double& g : setup_.upstream) g = round_to(cdt, g);
-    grad_loss = per_token ? Buffer::of_values(d, cdt, setup_.upstream, 1, n)
+    grad_loss = per_token ? Buffer::of_values(d, cdt, setup_.upstream, 1, n, 1, vec)
                           : Buffer::of_values(d, cdt, setup_.upstream, 0, 1);
   }
   for (double& g : setup_.grad_weight_initial) g = round_to(setup_.grad_dtype, g);
@@ -643,12 +644,12 @@ TopkCase::TopkCase(const reference::Problem& problem, const lmloss_topk_options&
   } else {
     hidden = Buffer::of_values(d, setup_.dtype, p.hidden_states, 2, n, H, pad > 0 ? H + pad : 0);
     weight = Buffer::of_values(d, setup_.dtype, p.weight, 2, V, H, pad > 0 ? H + pad : 0);
-    if (!p.bias.empty()) bias = Buffer::of_values(d, setup_.dtype, p.bias, 1, V);
+    if (!p.bias.empty()) bias = Buffer::of_values(d, setup_.dtype, p.bias, 1, V, 1, setup_.vector_stride);
   }
   const int64_t k_rows = std::max<int64_t>(k, 1);  // k out of range in bad-input tests
   ids = Buffer(d, LMLOSS_I32, 2, n, k_rows, pad > 0 ? k_rows + pad : 0);
   probs = Buffer(d, cdt, 2, n, k_rows, pad > 0 ? k_rows + pad : 0);
-  if (setup_.want_tail) tail = Buffer(d, cdt, 1, n);
+  if (setup_.want_tail) tail = Buffer(d, cdt, 1, n, 1, setup_.vector_stride);
 }
 
 lmloss_head TopkCase::head() const {

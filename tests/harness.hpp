@@ -114,7 +114,8 @@ reference::Problem rounded(const reference::Problem& problem, lmloss_dtype dtype
 // ---- Buffers -----------------------------------------------------------------------------------
 
 // A tensor of the caller's: host bytes, and a device copy on CUDA. Logical element i of a 2-D
-// buffer is (i / cols, i % cols); rows sit `stride` elements apart (padding stays untouched).
+// buffer is (i / cols, i % cols); rows (a vector's elements) sit `stride` elements apart
+// (padding stays untouched).
 class Buffer {
  public:
   Buffer() = default;  // absent
@@ -181,6 +182,8 @@ struct LossSetup {
   lmloss_dtype label_dtype = LMLOSS_I32;
   lmloss_dtype teacher_id_dtype = LMLOSS_I32;
   int64_t row_padding = 0;                // 2-D inputs and outputs get stride = cols + padding
+  int64_t vector_stride = 0;              // 1-D ones (labels, mask, bias, loss, lse, grad_loss,
+                                          // grad_bias) get this stride; CUDA refuses strided ones
   bool in_place = false;                  // grad_logits written over the logits
   bool want_lse = true;
   bool want_grad_hidden = true;
@@ -262,6 +265,7 @@ struct TopkSetup {
   Device device = Device::cpu;
   lmloss_dtype dtype = LMLOSS_F32;
   int64_t row_padding = 0;
+  int64_t vector_stride = 0;  // the tail's
   bool want_tail = true;
 };
 

@@ -1,5 +1,6 @@
-// Edge cases against the reference: one token, vocabularies of 50257 and 128256, k = 1 and
-// k = V, nothing counted, huge and NaN logits, strided rows, and chunking forced by a small budget.
+// Edge cases against the reference: one token, vocabularies of 50257 and 128256, k = 1, V - 1 and
+// V, nothing counted, huge, infinite and NaN logits, strided rows and vectors, and chunking forced
+// by a small budget.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -90,8 +91,9 @@ TEST_P(Edge, LargeVocabulary128256) {
 TEST_P(Edge, TopkOfOneAndOfTheWholeVocabulary) {
   Generator gen(303);
   const int64_t V = 97;
-  const reference::Problem p = gen.problem({.n_tokens = 6, .vocab = V, .tie_rank = 1});
-  for (const int64_t k : {int64_t{1}, V}) {
+  reference::Problem p = gen.problem({.n_tokens = 6, .vocab = V, .tie_rank = 1});
+  p.logits[V - 1] = 50;  // the last id the largest: k = V - 1 must still look at it
+  for (const int64_t k : {int64_t{1}, V - 1, V}) {
     for (const int renormalize : {1, 0}) {
       SCOPED_TRACE(cat("k ", k, ", renormalize ", renormalize));
       lmloss_topk_options o = lmloss_topk_options_default();
@@ -165,19 +167,21 @@ TEST_P(Edge, NoTokens) {
     const lmloss_head head{lmloss_tensor_none(), empty(dtype, 2, hidden), w.tensor(), b.tensor()};
     const lmloss_targets targets{empty(LMLOSS_I64, 1), lmloss_tensor_none(), lmloss_tensor_none(), lmloss_tensor_none()};
     for (const lmloss_reduction reduction : {LMLOSS_REDUCTION_MEAN, LMLOSS_REDUCTION_SUM, LMLOSS_REDUCTION_NONE}) {
-      for (const bool accumulate : {false, true}) {
-        SCOPED_TRACE(cat(dtype_name(dtype), " reduction ", reduction, accumulate ? " accumulating" : ""));
+      // Each accumulate flag on its own too: the gradient it names is kept, the other zeroed.
+      for (const uint32_t flags : {0u, LMLOSS_ACCUMULATE_GRAD_WEIGHT, LMLOSS_ACCUMULATE_GRAD_BIAS,
+                               LMLOSS_ACCUMULATE_GRAD_WEIGHT | LMLOSS_ACCUMULATE_GRAD_BIAS}) {
+        const bool keep_weight = flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT, keep_bias = flags & LMLOSS_ACCUMULATE_GRAD_BIAS;
+        SCOPED_TRACE(cat(dtype_name(dtype), " reduction ", reduction, " accumulating weight ", keep_weight,
+                         " bias ", keep_bias));
         lmloss_loss_options o = some_options();
         o.reduction = reduction;
-        if (accumulate) o.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT | LMLOSS_ACCUMULATE_GRAD_BIAS;
+        o.flags |= flags;
         Buffer loss(GetParam(), compute, 0, 1), gw(GetParam(), LMLOSS_F32, 2, vocab, hidden),
             gb(GetParam(), LMLOSS_F32, 1, vocab);
         const std::vector<double> initial(size_t(vocab * hidden), 0.25);
         for (Buffer* g : {&loss, &gw, &gb}) g->poison();
-        if (accumulate) {
-          gw.fill(initial);
-          gb.fill(std::vector<double>(size_t(vocab), 0.5));
-        }
+        gw.fill(initial);
+        gb.fill(std::vector<double>(size_t(vocab), 0.5));
         for (Buffer* g : {&loss, &gw, &gb}) g->upload();
         const bool reduced = reduction != LMLOSS_REDUCTION_NONE;
         const lmloss_tensor loss_t = reduced ? loss.tensor() : empty(compute, 1), lse_t = empty(compute, 1);
@@ -191,8 +195,8 @@ TEST_P(Edge, NoTokens) {
         if (reduced) {
           EXPECT_EQ(loss.get(0), 0.0);
         }
-        EXPECT_EQ(gw.values(), accumulate ? initial : std::vector<double>(initial.size(), 0.0));
-        EXPECT_EQ(gb.values(), std::vector<double>(size_t(vocab), accumulate ? 0.5 : 0.0));
+        EXPECT_EQ(gw.values(), keep_weight ? initial : std::vector<double>(initial.size(), 0.0));
+        EXPECT_EQ(gb.values(), std::vector<double>(size_t(vocab), keep_bias ? 0.5 : 0.0));
         ASSERT_EQ(lmloss_loss_forward(ctx.get(), &head, &targets, &o, &loss_t, &lse_t), LMLOSS_SUCCESS)
             << lmloss_last_error();
         ASSERT_EQ(lmloss_loss_backward(ctx.get(), &head, &targets, &o, &lse_t, &grad_loss, &grads), LMLOSS_SUCCESS)
@@ -296,6 +300,119 @@ TEST_P(Edge, StridedRows) {
       TopkCase c(gen.problem({.n_tokens = 7, .vocab = 301, .hidden = hidden}), to, ts);
       ASSERT_EQ(c.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
       expect_topk_matches_reference(c, tolerance(dtype, LMLOSS_F32));
+    }
+  }
+}
+
+TEST_P(Edge, StridedVectors) {
+  // Every vector (labels, mask, bias, per-token loss and upstream, lse, grad_bias, top-k's tail)
+  // with its elements 3 apart: the gaps hold NaN or -1 in the inputs (so reading them shows) and
+  // must stay untouched in the outputs. The CUDA backend takes contiguous vectors only, and says so.
+  Generator gen(311);
+  const int64_t n = 7;
+  lmloss_loss_options none = some_options();
+  none.reduction = LMLOSS_REDUCTION_NONE;
+  LossSetup s = setup();
+  s.vector_stride = 3;
+  s.upstream = gen.uniform(n, -1.5, 1.5);
+  const reference::Problem linear = gen.problem({.n_tokens = n, .vocab = 301, .hidden = 12, .bias = true});
+  if (GetParam() == Device::cuda) {
+    LossCase c(linear, none, s);
+    EXPECT_EQ(c.forward(ctx.get()), LMLOSS_ERROR_UNSUPPORTED);
+    EXPECT_NE(std::string(lmloss_last_error()).find("contiguous vector"), std::string::npos) << lmloss_last_error();
+    for (const Buffer* b : c.outputs()) EXPECT_TRUE(b->untouched());
+    return;
+  }
+  check_every_mode(gen.problem({.n_tokens = n, .vocab = 301, .mask = true}), none, s);
+  check_every_mode(linear, none, s);
+  s.upstream = {0.6};
+  check_every_mode(linear, some_options(), s);  // a scalar loss beside the strided lse and grad_bias
+  lmloss_loss_options distill = none;
+  distill.kd_weight = 0.5;
+  s.upstream = gen.uniform(n, -1.5, 1.5);
+  check_every_mode(gen.problem({.n_tokens = n, .vocab = 301, .hidden = 12, .top_k = 4, .mask = true}), distill, s);
+
+  TopkSetup ts = topk_setup();
+  ts.vector_stride = 3;
+  lmloss_topk_options to = lmloss_topk_options_default();
+  to.k = 6;
+  to.renormalize = 0;
+  for (const int64_t hidden : {0, 12}) {
+    TopkCase c(gen.problem({.n_tokens = n, .vocab = 301, .hidden = hidden, .bias = hidden > 0}), to, ts);
+    ASSERT_EQ(c.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_topk_matches_reference(c, tolerance(LMLOSS_F32));
+  }
+}
+
+TEST_P(Edge, LogitsMaskedWithMinusInfinity) {
+  // Logits a caller masked with -inf (tokens it rules out): exp(-inf) = 0, so they take no
+  // probability and no gradient, and the rest is as without them. A row masked whole belongs to
+  // an ignored token: its lse is -inf, its loss and gradient 0.
+  Generator gen(312);
+  for (const lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16, LMLOSS_F16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    const int64_t n = 6, vocab = 263;
+    reference::Problem p = gen.problem({.n_tokens = n, .vocab = vocab, .ignore_fraction = 0});
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t j = t % 3; j < vocab; j += 3) {
+        if (j != p.labels[t]) p.logits[t * vocab + j] = -INFINITY;
+      }
+    }
+    for (int64_t j = 0; j < vocab; ++j) p.logits[4 * vocab + j] = -INFINITY;
+    p.labels[4] = -100;
+    for (const lmloss_reduction reduction : {LMLOSS_REDUCTION_MEAN, LMLOSS_REDUCTION_NONE}) {
+      lmloss_loss_options o = lmloss_loss_options_default();
+      o.reduction = reduction;
+      o.label_smoothing = 0;  // smoothing reads every logit: -inf ones would make the loss inf
+      LossSetup s = setup(dtype);
+      if (reduction == LMLOSS_REDUCTION_NONE) s.upstream = gen.uniform(n, -1, 1);
+      check_every_mode(p, o, s);
+      LossCase c(p, o, s);
+      ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      EXPECT_EQ(c.lse.get(4), -INFINITY);
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t j = t % 3; j < vocab; j += 3) {
+          if (j == p.labels[t]) continue;
+          ASSERT_EQ(c.grad_logits.get(t * vocab + j), 0.0) << "token " << t << " id " << j;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(Edge, InfiniteLogitGivesInfiniteLse) {
+  // A logit of +inf (an overflow upstream): its row's lse is +inf and its loss not finite; the
+  // other rows are as without it. Top-k puts the id first and gives it all the probability.
+  Generator gen(313);
+  const int64_t n = 4, vocab = 129;
+  reference::Problem p = gen.problem({.n_tokens = n, .vocab = vocab, .ignore_fraction = 0});
+  p.logits[1 * vocab + 17] = INFINITY;
+  lmloss_loss_options o = lmloss_loss_options_default();
+  o.reduction = LMLOSS_REDUCTION_NONE;
+  LossCase c(p, o, setup());
+  ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_EQ(c.lse.get(1), INFINITY);
+  EXPECT_FALSE(std::isfinite(c.loss.get(1)));
+  const reference::LossResult ref = c.reference();
+  for (const int64_t t : {0, 2, 3}) {
+    EXPECT_NEAR(c.lse.get(t), ref.lse[t], 1e-5 * std::abs(ref.lse[t])) << "token " << t;
+    EXPECT_NEAR(c.loss.get(t), ref.loss[t], 1e-5 * std::abs(ref.loss[t])) << "token " << t;
+  }
+  for (const int renormalize : {1, 0}) {
+    lmloss_topk_options to = lmloss_topk_options_default();
+    to.k = 2;
+    to.renormalize = renormalize;
+    SCOPED_TRACE(cat("renormalize ", renormalize));
+    TopkCase tc(p, to, topk_setup());
+    ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_EQ(tc.ids.get_id(1 * 2), 17);
+    EXPECT_EQ(tc.probs.get(1 * 2 + 1), 0.0);
+    const reference::TopkResult ref = tc.reference();  // row 1's first probability: inf / inf
+    for (const int64_t t : {0, 2, 3}) {
+      for (int64_t i = 0; i < 2; ++i) {
+        EXPECT_EQ(tc.ids.get_id(t * 2 + i), ref.ids[t * 2 + i]) << "token " << t;
+        EXPECT_NEAR(tc.probs.get(t * 2 + i), ref.probs[t * 2 + i], 1e-5) << "token " << t;
+      }
     }
   }
 }

@@ -35,6 +35,7 @@ std::vector<NamedOptions> option_sets(Generator& gen, int64_t n_tokens) {
     o.softcap = 5.0;
     o.temperature = 1.5;
   });
+  add("temperature", [](lmloss_loss_options& o) { o.temperature = 1.7; });  // without soft-capping
   add("sum_upstream", [](lmloss_loss_options& o) { o.reduction = LMLOSS_REDUCTION_SUM; }, {0.7});
   add("sum_ignores_normalizer", [](lmloss_loss_options& o) {  // sum: D = 1 whatever is set
     o.reduction = LMLOSS_REDUCTION_SUM;
@@ -199,6 +200,9 @@ std::vector<NamedOptions> distill_sets(Generator& gen, int64_t n, bool labels) {
   t.options.temperature = 2.0;
   t.options.z_loss = 1e-2;
   sets.push_back(t);
+  NamedOptions temperature{"temperature", distill_options(alpha, 0.8), {}};  // without soft-capping
+  temperature.options.temperature = 2.5;
+  sets.push_back(temperature);
   NamedOptions none{"none_upstream", distill_options(alpha, 0.7), gen.uniform(n, -1, 1)};
   none.options.reduction = LMLOSS_REDUCTION_NONE;
   sets.push_back(none);

@@ -34,7 +34,7 @@ struct Scaling {
   double softcap;
   double temperature;
 };
-constexpr Scaling scalings[] = {{"plain", 0.0, 1.0}, {"softcap_temperature", 6.0, 1.7}};
+constexpr Scaling scalings[] = {{"plain", 0.0, 1.0}, {"softcap_temperature", 6.0, 1.7}, {"temperature", 0.0, 1.7}};
 
 TEST_P(Topk, FromLogits) {
   Generator gen(201);
