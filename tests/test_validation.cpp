@@ -1,9 +1,12 @@
 // Bad input, one test per validation rule: the status, a message that starts with the
 // argument's name as the header spells it, and every output byte still as it was poisoned.
+#include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "harness.hpp"
 #include "lmloss/lmloss.hpp"
@@ -227,6 +230,16 @@ TEST_P(Validation, TopkKAboveVocabulary) {
   expect_topk_rejected(t, t.options, "options.k");
 }
 
+TEST_P(Validation, TopkRenormalizeNotZeroOrOne) {
+  for (const int32_t bad : {2, -1}) {  // a flag in an int: any other value may mean anything
+    SCOPED_TRACE(bad);
+    TopkCase t = topk_case();
+    lmloss_topk_options o = t.options;
+    o.renormalize = bad;
+    expect_topk_rejected(t, o, "options.renormalize");
+  }
+}
+
 TEST_P(Validation, TopkOutputs) {
   TopkCase t = topk_case();
   expect_topk_rejected(t, t.options, "ids",
@@ -266,6 +279,23 @@ TEST_P(Validation, TeacherIdOutOfRange) {
   }
 }
 
+// A teacher's top-k is at most the vocabulary: here vocab + 1 columns, really allocated, of ids
+// that are each in range (so only the width is wrong).
+TEST_P(Validation, TeacherTopKAboveVocabulary) {
+  LossCase c = logits_case();  // vocab 37
+  const int64_t n = 6, k = 38;
+  std::vector<int64_t> ids(size_t(n * k));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int64_t(i % 37);
+  Buffer teacher_ids = Buffer::of_ids(device(), LMLOSS_I32, ids, 2, n, k);
+  Buffer teacher_probs = Buffer::of_values(device(), LMLOSS_F32, std::vector<double>(size_t(n * k), 1.0 / k), 2, n, k);
+  teacher_ids.upload();
+  teacher_probs.upload();
+  LossArgs a = args_of(c);
+  a.targets.teacher_ids = teacher_ids.tensor();
+  a.targets.teacher_probs = teacher_probs.tensor();
+  expect_loss_rejected(c, a, "targets.teacher_ids");
+}
+
 TEST_P(Validation, TemperatureNotPositive) {
   for (const double t : {0.0, -1.0, double(NAN)}) {
     SCOPED_TRACE(t);
@@ -292,13 +322,22 @@ TEST_P(Validation, SoftcapNegative) {
 }
 
 TEST_P(Validation, LabelSmoothingOutsideUnitInterval) {
-  for (const double eps : {-0.1, 1.5}) {
+  for (const double eps : {-0.1, 1.5, 1.0 + 1e-9}) {  // the interval is closed: just above 1 is out
     SCOPED_TRACE(eps);
     LossCase c = logits_case();
     LossArgs a = args_of(c);
     a.options.label_smoothing = eps;
     expect_loss_rejected(c, a, "options.label_smoothing");
   }
+}
+
+// eps = 1, the closed end of [0, 1]: every label's weight spread evenly over the vocabulary.
+TEST_P(Validation, LabelSmoothingOfOneIsAccepted) {
+  lmloss_loss_options o = lmloss_loss_options_default();
+  o.label_smoothing = 1.0;
+  LossCase c = logits_case(o);
+  ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  expect_matches_reference(c, Mode::forward_backward);
 }
 
 TEST_P(Validation, NegativeZLoss) {
@@ -381,6 +420,22 @@ TEST_P(Validation, BadOptionValues) {
     a.options.normalizer = -2;
     expect_loss_rejected(c, a, "options.normalizer");
   }
+  // The weights must be finite; a zero weight alone is fine, so only NaN and inf are bad.
+  for (const double bad : {double(NAN), double(INFINITY)}) {
+    SCOPED_TRACE(bad);
+    {
+      LossCase c = logits_case();
+      LossArgs a = args_of(c);
+      a.options.ce_weight = bad;
+      expect_loss_rejected(c, a, "options.ce_weight");
+    }
+    {
+      LossCase c = logits_case();  // has a teacher, so the kd weight is used
+      LossArgs a = args_of(c);
+      a.options.kd_weight = bad;
+      expect_loss_rejected(c, a, "options.kd_weight");
+    }
+  }
 }
 
 TEST_P(Validation, MissingTargets) {
@@ -409,6 +464,13 @@ TEST_P(Validation, GradientOfTheWrongHead) {
   expect_loss_rejected(c, a, "grads.grad_logits");
 }
 
+TEST_P(Validation, GradBiasWithoutHeadBias) {
+  LossCase c = linear_case();
+  LossArgs a = args_of(c);
+  a.head.bias = lmloss_tensor_none();  // grads.grad_bias, of the right shape, stays
+  expect_loss_rejected(c, a, "grads.grad_bias");
+}
+
 TEST_P(Validation, InPlaceWithAnotherStride) {
   LossSetup s;
   s.device = device();
@@ -432,6 +494,16 @@ TEST_P(Validation, BudgetTooSmallForOneRow) {
   expect_topk_rejected(t, t.options, "context workspace budget");
 }
 
+TEST_P(Validation, ZeroWorkspaceBudget) {
+  ASSERT_EQ(lmloss_context_set_workspace_budget(ctx.get(), size_t(1) << 20), LMLOSS_SUCCESS);
+  EXPECT_EQ(lmloss_context_set_workspace_budget(ctx.get(), 0), LMLOSS_ERROR_INVALID_ARGUMENT);
+  const std::string message = lmloss_last_error();
+  EXPECT_EQ(message.rfind("bytes", 0), 0u) << "the message should start with \"bytes\": " << message;
+  size_t budget = 0;
+  ASSERT_EQ(lmloss_context_get_workspace_budget(ctx.get(), &budget), LMLOSS_SUCCESS);
+  EXPECT_EQ(budget, size_t(1) << 20) << "a refused budget leaves the one before";
+}
+
 TEST_P(Validation, CudaTensorsWithoutCuda) {
   if (device() != Device::cpu) GTEST_SKIP() << "a CPU-only check";
   if (lmloss_backend_available(LMLOSS_DEVICE_CUDA)) GTEST_SKIP() << "a CUDA device is available";
@@ -448,6 +520,26 @@ TEST_P(Validation, CudaTensorsWithoutCuda) {
   EXPECT_EQ(got, LMLOSS_ERROR_UNSUPPORTED) << lmloss_last_error();
   EXPECT_STRNE(lmloss_last_error(), "");
   for (const Buffer* b : c.outputs()) EXPECT_TRUE(untouched(*b));
+}
+
+// One tensor with another device_index than the rest is refused and named (on the CPU, where
+// the index must be 0, as the odd one out; on CUDA as on another device than the first tensor).
+TEST_P(Validation, TensorOnAnotherDeviceIndex) {
+  LossCase c = logits_case();
+  LossArgs a = args_of(c);
+  a.targets.labels.device_index = a.head.logits.device_index + 1;
+  expect_loss_rejected(c, a, "targets.labels");
+}
+
+TEST_P(Validation, CpuDeviceIndexNotZero) {
+  if (device() != Device::cpu) GTEST_SKIP() << "a CPU-only rule";
+  LossCase c = logits_case();
+  LossArgs a = args_of(c);
+  for (lmloss_tensor* t : {&a.head.logits, &a.targets.labels, &a.targets.teacher_ids, &a.targets.teacher_probs,
+                           &a.targets.token_mask, &a.loss, &a.lse, &a.grads.grad_logits}) {
+    t->device_index = 1;  // all alike, so only the rule for CPU memory refuses them
+  }
+  expect_loss_rejected(c, a, "head.logits");
 }
 
 // A kept f32 sum of a 16-bit grad_weight (options.grad_weight_sum_tail): every layout rule, and
@@ -491,6 +583,12 @@ TEST_P(Validation, KeptWeightSumTail) {
     Buffer tail(device(), LMLOSS_F32, 2, least + 1, hidden);
     expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", no_edit);
   }
+  {  // rows in place a multiple of 4 but not of 8 (37 - 25 = 12)
+    LossCase c = bf16_case();
+    SCOPED_TRACE("split 12");
+    Buffer tail(device(), LMLOSS_F32, 2, 25, hidden);
+    expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", no_edit);
+  }
   {  // another width
     LossCase c = bf16_case();
     Buffer tail(device(), LMLOSS_F32, 2, least, hidden + 1);
@@ -517,6 +615,32 @@ TEST_P(Validation, KeptWeightSumTail) {
     expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", [&](LossArgs& a) {
       a.options.grad_weight_sum_tail.data = static_cast<char*>(a.grads.grad_weight.data) + 64;
     });
+  }
+  // Overlaps in bytes: grad_weight has 2 a weight, the tail 4 (a range counted at 1 byte a weight
+  // would cover only the first half or quarter). Both live in one f32 buffer of rows of `hidden`
+  // (32 bytes), so that a wrongly accepted call writes only there, and every byte of it is checked.
+  const int64_t row_bytes = hidden * 4, grad_bytes = vocab * hidden * 2, tail_bytes = least * row_bytes;
+  auto move_into = [&](LossArgs& a, int64_t grad_offset, int64_t tail_offset) {
+    char* base = static_cast<char*>(a.options.grad_weight_sum_tail.data);
+    a.grads.grad_weight.data = base + grad_offset;
+    a.options.grad_weight_sum_tail.data = base + tail_offset;
+    a.options.grad_weight_sum_tail.shape[0] = least;
+  };
+  {  // the tail starts about three quarters into grad_weight's bytes (416 of 592), past its first half
+    SCOPED_TRACE("tail inside grad_weight's second half");
+    const int64_t start = grad_bytes * 3 / 4 / row_bytes * row_bytes;
+    LossCase c = bf16_case();
+    Buffer both(device(), LMLOSS_F32, 2, (start + tail_bytes) / row_bytes, hidden);
+    expect_tail_rejected(c, both, "options.grad_weight_sum_tail",
+                         [&](LossArgs& a) { move_into(a, 0, start); });
+  }
+  {  // the tail starts before grad_weight and runs into it: grad_weight starts in its last row
+    SCOPED_TRACE("tail running into grad_weight");
+    const int64_t start = tail_bytes - row_bytes;
+    LossCase c = bf16_case();
+    Buffer both(device(), LMLOSS_F32, 2, (start + grad_bytes + row_bytes - 1) / row_bytes, hidden);
+    expect_tail_rejected(c, both, "options.grad_weight_sum_tail",
+                         [&](LossArgs& a) { move_into(a, start, 0); });
   }
   {  // without the grad_weight it belongs to
     LossCase c = bf16_case();

@@ -36,6 +36,8 @@ lmloss_status check_tensor(const lmloss_tensor& t, const char* name) {
   if (device_type < 0 || device_type >= LMLOSS_DEVICE_TYPE_COUNT)
     return invalid(name, "unknown device type " + std::to_string(device_type));
   if (t.device_index < 0) return invalid(name, "negative device index");
+  if (device_type == LMLOSS_DEVICE_CPU && t.device_index != 0)
+    return invalid(name, "device index " + std::to_string(t.device_index) + " for CPU memory (must be 0)");
   if (t.ndim < 0 || t.ndim > 2) return invalid(name, "rank must be 0, 1 or 2, got " + std::to_string(t.ndim));
   for (int d = 0; d < t.ndim; ++d)
     if (t.shape[d] < 0) return invalid(name, "negative shape " + shape_string(t));
