@@ -377,11 +377,13 @@ def _scaled_to(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
     or 2 (float64 on the CPU only); anything else goes through PyTorch, a slice of rows at a time
     where the dtype changes (a product whose out= has another dtype is computed into a full-size
     temporary first)."""
-    # (A backward that builds a graph, create_graph=True, keeps PyTorch's differentiable product.)
+    if grad.requires_grad or grad_loss.requires_grad:
+        # A backward that builds a graph (create_graph=True): PyTorch's differentiable product
+        # (out= takes no part in autograd).
+        return (grad * grad_loss).to(dtype)
     on_cpu = grad.device.type == "cpu"
     if (grad.dim() in (1, 2) and grad.dtype.is_floating_point and dtype.is_floating_point
-            and (on_cpu or torch.float64 not in (grad.dtype, dtype))
-            and not (grad.requires_grad or grad_loss.requires_grad)):
+            and (on_cpu or torch.float64 not in (grad.dtype, dtype))):
         return _scale_gradient(grad, grad_loss, dtype)
     if grad.dim() == 0 or grad.dtype == dtype:
         return torch.mul(grad, grad_loss, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))

@@ -840,3 +840,182 @@ def test_the_training_example_learns():
 
     example = pathlib.Path(__file__).resolve().parents[2] / "examples" / "torch_training.py"
     assert runpy.run_path(str(example))["main"](steps=60) < 0.5
+
+
+# ---- What the autograd layer passes on: views, options, modes ---------------------------------
+
+
+def test_strided_views_give_what_their_copies_give():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(13, 2 * 257, generator=g, dtype=torch.float64)[:, ::2]  # last stride 2
+    y = torch.randint(0, 257, (13,), generator=g)
+    r = lmloss.cross_entropy(z, y, grad=True)
+    ref = lmloss.cross_entropy(z.contiguous(), y, grad=True)
+    assert r.loss == ref.loss and torch.equal(r.grad_logits, ref.grad_logits)
+    x, _, _, y = linear_inputs()
+    w = torch.randn(11, 10, dtype=torch.float64)[:, ::2].requires_grad_(True)  # last stride 2
+    w2 = leaf(w.detach().contiguous())
+    loss, want = lt.linear_cross_entropy(x, w, y), lt.linear_cross_entropy(x.detach(), w2, y)
+    assert torch.equal(loss, want)
+    loss.backward()
+    want.backward()
+    assert torch.equal(w.grad, w2.grad)
+    ids = torch.arange(2).expand(2, 3, 2)  # rows of stride 0 once the batch is folded
+    p = torch.full((2, 3, 2), 0.5, dtype=torch.float64)
+    assert torch.equal(lt.linear_distill(x, w2, ids, p),
+                       lt.linear_distill(x, w2, ids.contiguous(), p))
+
+
+def test_bf16_logits_gradient_in_their_dtype():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(6, 50, generator=g).bfloat16()
+    y = torch.randint(0, 50, (6,), generator=g)
+    assert lmloss.cross_entropy(z, y, grad=True).grad_logits.dtype == torch.bfloat16
+
+
+def test_synchronize_without_cuda_returns(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_device():
+        raise AssertionError("asked for a CUDA device")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_device)
+    lmloss.synchronize()
+    lmloss.synchronize(torch.device("cpu"))
+
+
+def test_weight_gradient_in_float32_without_the_kept_sum():
+    x, w, _, _ = linear_inputs(dtype=torch.bfloat16)
+    buffers = lt._grad_buffers(None, x.reshape(-1, 5), w, None, False, True, True, False,
+                               keep_weight_sum=False)
+    assert buffers[2].dtype == torch.float32 and buffers[4].numel() == 0
+
+
+@pytest.mark.parametrize("vocab", [300, 304])  # the kept sum as two blocks of one size, or not
+def test_compiled_bf16_head_matches_eager(vocab):
+    x, w, b, y = linear_inputs(dtype=torch.bfloat16, v=vocab, h=16)
+    torch._dynamo.reset()
+
+    def step(x, w, y):
+        return lt.linear_cross_entropy(x, w, y) * 0.75
+
+    torch.compile(step, fullgraph=True, backend="aot_eager")(x, w, y).backward()
+    x2, w2 = leaf(x), leaf(w)
+    step(x2, w2, y).backward()
+    assert torch.equal(w.grad, w2.grad) and torch.equal(x.grad, x2.grad)
+
+
+def _library_calls(monkeypatch):
+    calls, real = [], lt._run
+
+    def spy(mode, device, **kwargs):
+        calls.append((mode, kwargs))
+        return real(mode, device, **kwargs)
+
+    monkeypatch.setattr(lt, "_run", spy)
+    return calls
+
+
+def test_recomputing_backward_skips_a_weight_that_needs_no_gradient(monkeypatch):
+    x, w, b, y = linear_inputs()
+    w.requires_grad_(False)
+    calls = _library_calls(monkeypatch)
+    lt.linear_cross_entropy(x, w, y, bias=b, reduction="none").sum().backward()
+    mode, kwargs = calls[-1]
+    assert mode == "backward" and kwargs["grad_weight"] is None
+    assert kwargs["grad_hidden"] is not None
+
+
+def test_no_gradient_work_under_no_grad(monkeypatch):
+    x, w, b, y = linear_inputs()
+    calls = _library_calls(monkeypatch)
+    with torch.no_grad():
+        lt.linear_cross_entropy(x, w, y, bias=b)
+    assert [mode for mode, _ in calls] == ["forward"]
+
+
+def test_create_graph_gradients_are_differentiable_in_the_upstream_gradient():
+    # d/ds of the gradient for upstream s is the gradient for upstream 1: each gradient (a 16-bit
+    # weight's kept sum, a float64 hidden state's, a bf16 head's bias through sliced casts).
+    x, w, _, y = linear_inputs(dtype=torch.bfloat16, v=48, h=8)
+    x = x.detach()
+    unit, = torch.autograd.grad(lt.linear_cross_entropy(x, w, y), w)
+    s = torch.tensor(0.37, requires_grad=True)
+    gw, = torch.autograd.grad(lt.linear_cross_entropy(x, w, y), w, s, create_graph=True)
+    r = torch.randn(w.shape, generator=torch.Generator().manual_seed(1))
+    ds, = torch.autograd.grad((gw.float() * r).sum(), s)
+    assert torch.allclose(ds, (unit.float() * r).sum(), rtol=1e-2)
+
+    x, w, b, y = linear_inputs(dtype=torch.float64)
+    s = torch.tensor(0.37, dtype=torch.float64, requires_grad=True)
+    gx, = torch.autograd.grad(lt.linear_cross_entropy(x, w, y, bias=b), x, s, create_graph=True)
+    r = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ds, = torch.autograd.grad((gx * r).sum(), s)
+    assert torch.allclose(ds, (gx * r).sum() / 0.37)
+
+
+def test_create_graph_bias_gradient_of_a_bf16_head(monkeypatch):
+    monkeypatch.setattr(lt, "_CAST_SLICE_BYTES", 64)
+    x, w, b, y = linear_inputs(dtype=torch.bfloat16, v=300, h=8)
+    s = torch.tensor(0.5, requires_grad=True)
+    gb, = torch.autograd.grad(lt.linear_cross_entropy(x, w, y, bias=b), b, s, create_graph=True)
+    b2 = leaf(b)
+    want, = torch.autograd.grad(lt.linear_cross_entropy(x, w, y, bias=b2) * 0.5, b2)
+    assert torch.equal(gb, want)
+
+
+def test_fused_backward_casts_no_weight_sized_tensor(monkeypatch):
+    # Without the kept sum the float32 dW is scaled and rounded once, by the library: PyTorch
+    # makes no full-size copy of it.
+    from torch.profiler import ProfilerActivity, profile
+    monkeypatch.setattr(lt, "_KEEP_WEIGHT_SUM", False)
+    x, w, b, y = linear_inputs(dtype=torch.bfloat16, v=300, h=16)
+    loss = lt.linear_cross_entropy(x, w, y, bias=b) * 0.5
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        loss.backward()
+    casts = [e.input_shapes for e in prof.events() if e.name in ("aten::_to_copy", "aten::to")]
+    assert not any(shapes[:1] == [[300, 16]] for shapes in casts), casts
+
+
+def test_autocast_leaves_a_float64_head_alone():
+    x, w, b, y = linear_inputs(dtype=torch.float64)
+    want = lt.linear_cross_entropy(x, w, y, bias=b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lt.linear_cross_entropy(x, w, y, bias=b)
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+def test_distillation_counts_only_tokens_in_the_mask():
+    x, w, b, y = linear_inputs()
+    ids = y.clamp(min=0)[..., None]
+    p = torch.ones(ids.shape, dtype=torch.float64)
+    mask = torch.tensor([[True, False, True], [False, True, True]])
+    loss = lt.linear_distill(x, w, ids, p, token_mask=mask, reduction="none")
+    assert not loss[~mask].any() and loss[mask].all()
+    want = lmloss.linear_distill(x.detach(), w.detach(), ids, p, token_mask=mask)
+    assert lt.linear_distill(x, w, ids, p, token_mask=mask).item() == want.loss
+
+
+def test_modules_pass_every_option():
+    x, w, b, y = linear_inputs()
+    y = y.clone()
+    y[y == -100] = 3
+    y[0, 0] = 3  # ignored under ignore_index 3
+    opts = dict(ignore_index=3, label_smoothing=0.1, z_loss=1e-2, softcap=3.0, temperature=1.5)
+    for reduction in ("mean", "none"):
+        module = lt.LinearCrossEntropyLoss(reduction=reduction, **opts)
+        assert torch.equal(module(x, w, y, b, normalizer=7.0),
+                           lt.linear_cross_entropy(x, w, y, bias=b, reduction=reduction,
+                                                   normalizer=7.0, **opts))
+    ids = torch.randint(0, 11, (2, 3, 2), generator=torch.Generator().manual_seed(3))
+    p = torch.tensor([0.7, 0.3], dtype=torch.float64).expand(2, 3, 2)
+    kd = lt.LinearDistillLoss(ce_weight=0.3, kd_weight=0.9, reduction="sum", **opts)
+    assert torch.equal(kd(x, w, ids, p, labels=y, bias=b),
+                       lt.linear_distill(x, w, ids, p, labels=y, bias=b, ce_weight=0.3,
+                                         kd_weight=0.9, reduction="sum", **opts))
+
+
+def test_scalar_teacher_ids_are_refused_by_name():
+    x, w, _, _ = linear_inputs()
+    with pytest.raises(ValueError, match="^teacher_ids:"):
+        lt.linear_distill(x[0, 0], w, torch.tensor(3), torch.tensor(1.0, dtype=torch.float64))
