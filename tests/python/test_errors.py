@@ -159,3 +159,33 @@ def test_settings_survive_errors():
     with pytest.raises(ValueError):
         CE(a["z"], _bad_label(a))
     assert np.isfinite(CE(a["z"], a["y"]).loss)
+
+
+@pytest.mark.parametrize("keyword", ["temperature", "label_smoothing", "ignore_index"])
+def test_booleans_are_not_numbers_here(keyword):
+    a = inputs()
+    with pytest.raises(TypeError, match=f"^{keyword}:"):
+        lmloss.cross_entropy(a["z"], a["y"], **{keyword: True})
+
+
+def test_teacher_of_other_leading_dimensions_is_refused():
+    a = inputs()
+    with pytest.raises(ValueError, match="^teacher_ids:"):
+        lmloss.linear_distill(a["x"].reshape(2, 3, H), a["w"], a["ids"].reshape(3, 2, K),
+                              a["p"].reshape(2, 3, K))
+
+
+@pytest.mark.parametrize("status,message,exception", [
+    ("invalid_argument", "head.logits: rank must be 0, 1 or 2", ValueError),
+    ("unsupported", "head.logits: dtype f16 not allowed", TypeError),
+    ("id_out_of_range", "targets.labels: out of range", ValueError),
+    ("unsupported", "head.hidden: not in this build", NotImplementedError),
+    ("out_of_memory", "host memory allocation failed", MemoryError),
+    ("backend", "CUDA error", RuntimeError),
+])
+def test_library_statuses_become_python_exceptions(status, message, exception):
+    # Some statuses come only from a GPU (an id found out of range on the device) or from a
+    # build without it: translated here directly. The argument is named as the caller wrote it.
+    e = lmloss._api._translate(lmloss._lmloss.Error(status, message))
+    assert type(e) is exception
+    assert str(e) == message.replace("head.", "").replace("targets.", "")

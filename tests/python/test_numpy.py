@@ -544,3 +544,186 @@ def test_scale_gradient_extension_call():
     want = (half.astype(np.float32) * scale).astype(np.float16)
     lmloss._lmloss.scale_gradient(grad=half, scale=scale, out=half)
     np.testing.assert_array_equal(half, want)
+
+
+# ---- Arrays the library cannot describe in place, and the package's own checks ---------------
+
+
+def test_strided_last_dimension_is_copied():
+    rng = np.random.default_rng(0)
+    z = make_logits(rng, 13, 2 * 257)[:, ::2]  # the last dimension's stride 2 elements
+    y = make_labels(rng, 13, 257)
+    loss, _, dz = loss_reference(np.ascontiguousarray(z), y)
+    r = lmloss.cross_entropy(z, y, grad=True)
+    assert rel_err(r.loss, loss) <= TOLERANCE["float64"]
+    assert rel_err(r.grad_logits, dz) <= TOLERANCE["float64"]
+
+
+def test_rows_running_backwards_are_copied():
+    rng = np.random.default_rng(0)
+    z, y = make_logits(rng, 13, 257), make_labels(rng, 13, 257)
+    loss, _, _ = loss_reference(z[::-1].copy(), y[::-1].copy(), reduction="none")
+    r = lmloss.cross_entropy(z[::-1], y[::-1], reduction="none")  # a negative row stride
+    assert rel_err(r.loss, loss) <= TOLERANCE["float64"]
+
+
+def test_strided_bias_is_copied():
+    rng = np.random.default_rng(0)
+    x, w, b = make_linear(rng, 6, 8, 17, bias=True)
+    y = make_labels(rng, 6, 17)
+    loss, _, _, _, db = linear_reference(x, w, b, labels=y)
+    r = lmloss.linear_cross_entropy(x, w, y, bias=np.repeat(b, 2)[::2], grad=True)
+    assert rel_err(r.loss, loss) <= TOLERANCE["float64"]
+    assert rel_err(r.grad_bias, db) <= TOLERANCE["float64"]
+
+
+def test_pinned_host_arrays_are_read_on_the_host():
+    class Pinned:  # what an array in page-locked host memory says of itself: DLPack device 3
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return (3, 0)
+
+    rng = np.random.default_rng(0)
+    z, y = make_logits(rng, 6, 17), make_labels(rng, 6, 17)
+    assert lmloss.cross_entropy(Pinned(z), Pinned(y)).loss == lmloss.cross_entropy(z, y).loss
+
+
+def test_cross_entropy_lse_has_the_tokens_shape():
+    rng = np.random.default_rng(0)
+    z, y = make_logits(rng, 12, 17), make_labels(rng, 12, 17)
+    assert lmloss.cross_entropy(z.reshape(3, 4, 17), y.reshape(3, 4)).lse.shape == (3, 4)
+
+
+def test_sixteen_bit_logits_gradient_in_their_dtype():
+    rng = np.random.default_rng(0)
+    z = make_logits(rng, 6, 17).astype(np.float16)
+    r = lmloss.cross_entropy(z, make_labels(rng, 6, 17), grad=True)
+    assert r.grad_logits.dtype == np.float16
+
+
+@pytest.mark.parametrize("vocab", [256, 257])  # the kept sum as two blocks of one size, or not
+def test_sixteen_bit_weight_gradient_is_its_float32_sum_rounded(vocab):
+    rng = np.random.default_rng(9)
+    x, w, _ = make_linear(rng, 13, 24, vocab, "float32")
+    x, w = x.astype(np.float16), w.astype(np.float16)
+    y = make_labels(rng, 13, vocab)
+    r16 = lmloss.linear_cross_entropy(x, w, y, grad=True)
+    r32 = lmloss.linear_cross_entropy(x, w, y, grad=True, grad_weight_dtype=np.float32)
+    np.testing.assert_array_equal(r16.grad_weight, r32.grad_weight.astype(np.float16))
+
+
+def test_sixteen_bit_weight_gradient_not_aligned_to_16_bytes(monkeypatch):
+    # The library keeps half of the float32 sum over grad_weight's own bytes only where they are
+    # 16-byte aligned; elsewhere the whole sum goes in the tail.
+    real = lmloss._api.empty
+
+    def unaligned(like, shape, dtype):  # 16-bit arrays 2 bytes past a 16-byte boundary
+        if dtype not in ("float16", "bfloat16"):
+            return real(like, shape, dtype)
+        n = int(np.prod(shape))
+        buf = np.empty(n + 16, dtype=dtype)
+        skip = (-buf.ctypes.data % 16 + 2) // 2
+        return buf[skip:skip + n].reshape(shape)
+
+    monkeypatch.setattr(lmloss._api, "empty", unaligned)
+    rng = np.random.default_rng(9)
+    x, w, _ = make_linear(rng, 13, 24, 257, "float32")
+    x, w = x.astype(np.float16), w.astype(np.float16)
+    y = make_labels(rng, 13, 257)
+    r16 = lmloss.linear_cross_entropy(x, w, y, grad=True)
+    assert r16.grad_weight.ctypes.data % 16 != 0
+    r32 = lmloss.linear_cross_entropy(x, w, y, grad=True, grad_weight_dtype=np.float32)
+    np.testing.assert_array_equal(r16.grad_weight, r32.grad_weight.astype(np.float16))
+
+
+def test_extension_refuses_what_it_cannot_describe():
+    # The package hands the extension clean arrays; its own checks are for other callers.
+    grad = np.zeros((4, 10), np.float32)
+    with pytest.raises(lmloss._lmloss.Error, match="grad: the last dimension must be contiguous"):
+        lmloss._lmloss.scale_gradient(grad=grad[:, ::2], out=np.zeros((4, 5), np.float32))
+    with pytest.raises(lmloss._lmloss.Error, match="grad: rows overlap"):
+        lmloss._lmloss.scale_gradient(grad=np.broadcast_to(grad[0], (4, 10)), out=grad)
+    read_only = np.zeros((4, 10), np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(lmloss._lmloss.Error, match="out: expected a writable array"):
+        lmloss._lmloss.scale_gradient(grad=grad, out=read_only)
+
+
+def _in_a_fresh_thread(fn):
+    """fn's value or exception, from a thread of its own: one with no lmloss context yet."""
+    import threading
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except Exception as e:  # noqa: BLE001 - handed back to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out
+
+
+def test_budget_set_before_a_threads_first_call_holds():
+    def set_then_read():
+        lmloss.set_workspace_budget(1 << 20)
+        return lmloss.workspace_budget()
+    assert _in_a_fresh_thread(set_then_read) == {"value": 1 << 20}
+
+
+@pytest.mark.parametrize("call,name", [(lambda: lmloss.set_workspace_budget(0), "bytes"),
+                                       (lambda: lmloss.set_num_threads(-2), "num_threads")])
+def test_settings_checked_before_a_threads_first_call(call, name):
+    out = _in_a_fresh_thread(call)
+    assert isinstance(out.get("error"), ValueError) and str(out["error"]).startswith(name + ":")
+
+
+_RELEASED_AT_EXIT = """
+import atexit, numpy as np, lmloss
+z = np.random.default_rng(0).standard_normal((64, 5000))
+lmloss.cross_entropy(z, np.zeros(64, np.int64), grad=True)
+assert lmloss.peak_workspace() > 0
+atexit._run_exitfuncs()
+print(lmloss.peak_workspace())
+"""
+
+
+def test_contexts_released_at_the_interpreters_exit():
+    # While the interpreter (and PyTorch, whose allocator may have lent the workspace) still exists.
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", _RELEASED_AT_EXIT], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["0"]
+
+
+_OUT_OF_HOST_MEMORY = """
+import re, resource, numpy as np, lmloss
+lmloss.set_num_threads(1)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((4096, 64)).astype(np.float32)
+w = rng.standard_normal((50000, 64)).astype(np.float32)
+vm = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (200 << 20), resource.RLIM_INFINITY))
+try:
+    lmloss.linear_cross_entropy(x, w, np.zeros(4096, np.int64))
+except MemoryError as e:
+    print("MemoryError", e)
+"""
+
+
+def test_host_out_of_memory_is_a_memory_error():
+    # The default 1 GiB budget's workspace under an address-space limit 200 MiB above the inputs.
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", _OUT_OF_HOST_MEMORY], capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "MemoryError host memory allocation failed"
