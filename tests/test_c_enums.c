@@ -20,6 +20,16 @@ static int starts_with(const char* s, const char* prefix) {
   return strncmp(s, prefix, strlen(prefix)) == 0;
 }
 
+/* A forward that must be refused with a message starting with `prefix`, its loss not written. */
+static void expect_refused(lmloss_context* ctx, const lmloss_head* head, const lmloss_targets* targets,
+                           const lmloss_loss_options* options, const char* prefix, int value) {
+  float loss = NAN;
+  lmloss_tensor loss_t = lmloss_tensor_scalar(&loss, LMLOSS_F32);
+  lmloss_status status = lmloss_loss_forward(ctx, head, targets, options, &loss_t, NULL);
+  check(status == LMLOSS_ERROR_INVALID_ARGUMENT && isnan(loss) && starts_with(lmloss_last_error(), prefix),
+        prefix, value);
+}
+
 int main(void) {
   const int values[] = {-1, 7, 99, 1 << 20};
   const int n_values = (int)(sizeof values / sizeof values[0]);
@@ -38,29 +48,18 @@ int main(void) {
     check(lmloss_backend_available((lmloss_device_type)v) == 0, "backend_available", v);
     check(strcmp(lmloss_status_string((lmloss_status)v), "unknown status") == 0, "status_string", v);
 
-    float loss = NAN;
-    lmloss_tensor loss_t = lmloss_tensor_scalar(&loss, LMLOSS_F32);
     lmloss_loss_options options = lmloss_loss_options_default();
     options.reduction = (lmloss_reduction)v;
-    lmloss_status status = lmloss_loss_forward(ctx, &head, &targets, &options, &loss_t, NULL);
-    check(status == LMLOSS_ERROR_INVALID_ARGUMENT && isnan(loss) &&
-              starts_with(lmloss_last_error(), "options.reduction: unknown reduction"),
-          "options.reduction", v);
+    expect_refused(ctx, &head, &targets, &options, "options.reduction: unknown reduction", v);
 
     options = lmloss_loss_options_default();
     lmloss_targets bad_targets = targets;
     bad_targets.labels.dtype = (lmloss_dtype)v;
-    status = lmloss_loss_forward(ctx, &head, &bad_targets, &options, &loss_t, NULL);
-    check(status == LMLOSS_ERROR_INVALID_ARGUMENT && isnan(loss) &&
-              starts_with(lmloss_last_error(), "targets.labels: unknown dtype"),
-          "targets.labels.dtype", v);
+    expect_refused(ctx, &head, &bad_targets, &options, "targets.labels: unknown dtype", v);
 
     lmloss_head bad_head = head;
     bad_head.logits.device_type = (lmloss_device_type)v;
-    status = lmloss_loss_forward(ctx, &bad_head, &targets, &options, &loss_t, NULL);
-    check(status == LMLOSS_ERROR_INVALID_ARGUMENT && isnan(loss) &&
-              starts_with(lmloss_last_error(), "head.logits: unknown device type"),
-          "head.logits.device_type", v);
+    expect_refused(ctx, &bad_head, &targets, &options, "head.logits: unknown device type", v);
   }
   lmloss_context_destroy(ctx);
   if (failures == 0) printf("unknown enum values refused: %d values, 5 checks each\n", n_values);
