@@ -3,6 +3,7 @@
 // by a small budget.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
 
 #include "harness.hpp"
@@ -170,7 +171,8 @@ TEST_P(Edge, NoTokens) {
       // Each accumulate flag on its own too: the gradient it names is kept, the other zeroed.
       for (const uint32_t flags : {0u, LMLOSS_ACCUMULATE_GRAD_WEIGHT, LMLOSS_ACCUMULATE_GRAD_BIAS,
                                LMLOSS_ACCUMULATE_GRAD_WEIGHT | LMLOSS_ACCUMULATE_GRAD_BIAS}) {
-        const bool keep_weight = flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT, keep_bias = flags & LMLOSS_ACCUMULATE_GRAD_BIAS;
+        const bool keep_weight = flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT;
+        const bool keep_bias = flags & LMLOSS_ACCUMULATE_GRAD_BIAS;
         SCOPED_TRACE(cat(dtype_name(dtype), " reduction ", reduction, " accumulating weight ", keep_weight,
                          " bias ", keep_bias));
         lmloss_loss_options o = some_options();
@@ -521,6 +523,149 @@ TEST_P(Edge, ChunkingChangesNothingForTopk) {
     }
     expect_topk_matches_reference(c, tolerance(LMLOSS_F32));
   }
+}
+
+// ---- Budget planning and the peak (docs/contract.md, "Memory and the budget (CPU)") --------
+
+// The bytes a budget refusal says one row needs ("... needs at least N bytes ...").
+size_t stated_minimum(const std::string& message) {
+  const std::string key = "needs at least ";
+  const size_t at = message.find(key);
+  if (at == std::string::npos) {
+    ADD_FAILURE() << "no stated minimum in: " << message;
+    return 0;
+  }
+  return size_t(std::stoull(message.substr(at + key.size())));
+}
+
+// The minimum a budget refusal states is the true one on the CPU: that budget runs (within it,
+// one row a chunk) and one byte less is refused. A plan that under-counts anything (the bias, the
+// logits, a row's loss, top-k's per-thread order) exceeds it.
+TEST_P(Edge, BudgetOfTheStatedMinimumRunsWithinIt) {
+  if (GetParam() != Device::cpu) GTEST_SKIP() << "the CPU's workspace plan";
+  Generator gen(312);
+  auto expect_minimum_holds = [&](const std::function<lmloss_status(lmloss_context*)>& run,
+                                  const std::function<void()>& check) {
+    lmloss::Context small;
+    small.set_num_threads(2);  // the per-thread parts count even on a one-core machine
+    small.set_workspace_budget(64);
+    ASSERT_EQ(run(small.get()), LMLOSS_ERROR_INVALID_ARGUMENT);
+    const size_t minimum = stated_minimum(lmloss_last_error());
+    small.set_workspace_budget(minimum);
+    small.reset_peak_workspace();
+    ASSERT_EQ(run(small.get()), LMLOSS_SUCCESS) << "the stated minimum " << minimum << ": " << lmloss_last_error();
+    EXPECT_LE(small.peak_workspace(), minimum);
+    check();
+    small.set_workspace_budget(minimum - 1);
+    EXPECT_EQ(run(small.get()), LMLOSS_ERROR_INVALID_ARGUMENT) << "the stated minimum is not the least";
+  };
+  {
+    SCOPED_TRACE("logits f32");
+    LossCase c(gen.problem({.n_tokens = 6, .vocab = 1031, .top_k = 3}), some_options(), setup());
+    expect_minimum_holds([&](lmloss_context* ctx) { return c.forward_backward(ctx); },
+                         [&] { expect_matches_reference(c, Mode::forward_backward); });
+  }
+  {
+    // (f32: with bf16 inputs the plan slices W by the budget, so the minimum moves with it.)
+    SCOPED_TRACE("linear f32 with bias");
+    LossCase c(gen.problem({.n_tokens = 6, .vocab = 1031, .hidden = 16, .bias = true}), some_options(), setup());
+    expect_minimum_holds([&](lmloss_context* ctx) { return c.forward_backward(ctx); },
+                         [&] { expect_matches_reference(c, Mode::forward_backward); });
+  }
+  {
+    SCOPED_TRACE("top-k over f32 logits");
+    lmloss_topk_options o = lmloss_topk_options_default();
+    o.k = 5;
+    TopkCase c(gen.problem({.n_tokens = 6, .vocab = 1031, .labels = false}), o, topk_setup());
+    expect_minimum_holds([&](lmloss_context* ctx) { return c.run(ctx); },
+                         [&] { expect_topk_matches_reference(c, tolerance(LMLOSS_F32)); });
+  }
+}
+
+// Chunks take as many rows as the budget holds: less than one row of it is left unused.
+TEST_P(Edge, ChunksTakeEveryRowTheBudgetHolds) {
+  if (GetParam() != Device::cpu) GTEST_SKIP() << "the CPU's workspace plan";
+  Generator gen(313);
+  const int64_t vocab = 1031;
+  const size_t row_bytes = size_t(vocab) * 4;  // a row of f32 logits
+  LossCase c(gen.problem({.n_tokens = 64, .vocab = vocab}), some_options(), setup());
+  lmloss::Context small;
+  small.set_workspace_budget(64);
+  ASSERT_EQ(c.forward_backward(small.get()), LMLOSS_ERROR_INVALID_ARGUMENT);
+  // Room for three more rows and their O(1) statistics: chunks of four rows.
+  const size_t budget = stated_minimum(lmloss_last_error()) + 3 * row_bytes + 64;
+  small.set_workspace_budget(budget);
+  small.reset_peak_workspace();
+  ASSERT_EQ(c.forward_backward(small.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_LE(small.peak_workspace(), budget);
+  EXPECT_GT(small.peak_workspace(), budget - row_bytes) << "a chunk took fewer rows than fit";
+  expect_matches_reference(c, Mode::forward_backward);
+}
+
+// A bf16 W whose f32 copy exceeds a quarter of the budget is converted in slices of an eighth
+// of it, not whole (few tokens, so the slice shows in the peak); with many tokens the chunks
+// still fit beside the slice, each row counted with its converted X and its bf16 dX's f32 row.
+TEST_P(Edge, WeightBeyondAQuarterOfTheBudgetIsConvertedInSlices) {
+  if (GetParam() != Device::cpu) GTEST_SKIP() << "the CPU's workspace plan";
+  Generator gen(314);
+  const int64_t vocab = 1024, hidden = 64;
+  const size_t weight_f32 = size_t(vocab) * size_t(hidden) * 4;  // 256 KiB
+  const size_t budget = weight_f32 * 5 / 2;                      // W is 0.4 of it
+  for (const int64_t n : {2, 256}) {
+    SCOPED_TRACE(cat(n, " tokens"));
+    LossCase c(gen.problem({.n_tokens = n, .vocab = vocab, .hidden = hidden, .bias = true}), some_options(),
+               setup(LMLOSS_BF16));
+    lmloss::Context small;
+    small.set_workspace_budget(budget);
+    const Mode mode = n == 2 ? Mode::forward : Mode::forward_backward;
+    ASSERT_EQ(c.run(small.get(), mode), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_LE(small.peak_workspace(), budget);
+    if (n == 2) {
+      EXPECT_LT(small.peak_workspace(), weight_f32 / 2) << "W was not sliced to an eighth of the budget";
+    }
+    expect_matches_reference(c, mode);
+  }
+}
+
+// The peak restarts at what is held (nothing, between calls on the CPU): a smaller call after a
+// reset reports its own peak, not the larger one before.
+TEST_P(Edge, ResetPeakStartsAfreshForTheNextCall) {
+  Generator gen(315);
+  LossCase big(gen.problem({.n_tokens = 64, .vocab = 1031}), some_options(), setup());
+  LossCase little(gen.problem({.n_tokens = 2, .vocab = 37}), some_options(), setup());
+  ASSERT_EQ(big.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  const size_t big_peak = ctx.peak_workspace();
+  ASSERT_EQ(little.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_EQ(ctx.peak_workspace(), big_peak) << "without a reset the peak stays";
+  ctx.reset_peak_workspace();
+  if (GetParam() == Device::cpu) {
+    EXPECT_EQ(ctx.peak_workspace(), 0u) << "workspace held between calls";
+  }
+  ASSERT_EQ(little.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_LT(ctx.peak_workspace(), big_peak);
+  ASSERT_EQ(little.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  const size_t little_peak = ctx.peak_workspace();
+  ctx.reset_peak_workspace();
+  ASSERT_EQ(little.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_EQ(ctx.peak_workspace(), little_peak) << "the same call after a reset reports the same peak";
+}
+
+// set_num_threads sizes the per-thread workspace (top-k's order buffer): one thread needs less
+// than two.
+TEST_P(Edge, PerThreadWorkspaceFollowsTheThreadCount) {
+  if (GetParam() != Device::cpu) GTEST_SKIP() << "the CPU's thread count";
+  Generator gen(316);
+  lmloss_topk_options o = lmloss_topk_options_default();
+  o.k = 5;
+  TopkCase c(gen.problem({.n_tokens = 6, .vocab = 1031, .labels = false}), o, topk_setup());
+  auto minimum_with = [&](int threads) {
+    lmloss::Context small;
+    small.set_num_threads(threads);
+    small.set_workspace_budget(64);
+    EXPECT_EQ(c.run(small.get()), LMLOSS_ERROR_INVALID_ARGUMENT);
+    return stated_minimum(lmloss_last_error());
+  };
+  EXPECT_LT(minimum_with(1), minimum_with(2));
 }
 
 INSTANTIATE_TEST_SUITE_P(, Edge, all_devices, ParamName{});

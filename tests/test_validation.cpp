@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "harness.hpp"
@@ -713,6 +714,74 @@ TEST_P(Validation, SuccessClearsTheLastError) {
 }
 
 INSTANTIATE_TEST_SUITE_P(, Validation, all_devices, ParamName{});
+
+// ---- The C++ wrapper (lmloss.hpp): no device involved ------------------------------------
+
+// A failed C call becomes lmloss::Error with the call's status and its last-error message (not
+// the generic status string), and the refused setting leaves the context as it was.
+TEST(CppApi, FailedCallThrowsErrorWithStatusAndMessage) {
+  lmloss::Context ctx;
+  ctx.set_workspace_budget(size_t(1) << 20);
+  try {
+    ctx.set_workspace_budget(0);
+    ADD_FAILURE() << "a zero budget did not throw";
+  } catch (const lmloss::Error& e) {
+    EXPECT_EQ(e.status(), LMLOSS_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(e.what()).rfind("bytes", 0), 0u) << "not the call's message: " << e.what();
+  }
+  EXPECT_EQ(ctx.workspace_budget(), size_t(1) << 20);
+}
+
+// Every setter checks its status: a refused value throws rather than being dropped silently.
+TEST(CppApi, RefusedSettingsThrow) {
+  lmloss::Context ctx;
+  EXPECT_THROW(ctx.set_num_threads(-1), lmloss::Error);  // 0 means all cores; below is refused
+  EXPECT_NO_THROW(ctx.set_num_threads(0));
+  lmloss_allocator half{};  // alloc without free
+  half.alloc = [](void*, size_t, int32_t, void*) -> void* { return nullptr; };
+  EXPECT_THROW(ctx.set_allocator(&half), lmloss::Error);
+  EXPECT_NO_THROW(ctx.set_allocator(nullptr));
+}
+
+// A moved Context hands its handle over: exactly one Context owns each handle afterwards.
+TEST(CppApi, ContextMoveTransfersTheHandle) {
+  lmloss::Context a;
+  a.set_workspace_budget(1000);
+  lmloss_context* const handle = a.get();
+  lmloss::Context b(std::move(a));
+  EXPECT_EQ(b.get(), handle);
+  EXPECT_EQ(a.get(), nullptr);  // NOLINT(bugprone-use-after-move): the moved-from state is the point
+  lmloss::Context c;
+  c.set_workspace_budget(2000);
+  c = std::move(b);
+  EXPECT_EQ(c.get(), handle);
+  EXPECT_EQ(c.workspace_budget(), 1000u);
+  EXPECT_NE(b.get(), handle) << "two Contexts own one handle";  // NOLINT(bugprone-use-after-move)
+}
+
+// The tensor helpers describe exactly the view asked for: dtype, shape, stride, device.
+TEST(CppApi, TensorHelpersDescribeTheView) {
+  float x[24] = {};
+  int32_t labels[5] = {};
+  EXPECT_FALSE(lmloss::Tensor{}.present());
+  const lmloss::Tensor m = lmloss::Tensor::matrix(x, 3, 4, 6);
+  EXPECT_TRUE(m.present());
+  EXPECT_EQ(m.data, static_cast<void*>(x));
+  EXPECT_EQ(m.dtype, LMLOSS_F32);
+  EXPECT_EQ(m.ndim, 2);
+  EXPECT_EQ(m.shape[0], 3);
+  EXPECT_EQ(m.shape[1], 4);
+  EXPECT_EQ(m.stride, 6);
+  const lmloss::Tensor v = lmloss::Tensor::vector(labels, 5);
+  EXPECT_EQ(v.dtype, LMLOSS_I32);
+  EXPECT_EQ(v.ndim, 1);
+  EXPECT_EQ(v.shape[0], 5);
+  const lmloss::Tensor g = m.on_cuda(2);
+  EXPECT_EQ(g.device_type, LMLOSS_DEVICE_CUDA);
+  EXPECT_EQ(g.device_index, 2);
+  EXPECT_EQ(g.stride, 6);
+  EXPECT_EQ(m.device_type, LMLOSS_DEVICE_CPU) << "on_cuda changed the original view";
+}
 
 }  // namespace
 }  // namespace lmloss::test
