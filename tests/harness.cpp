@@ -787,7 +787,8 @@ void expect_topk_matches_reference(const TopkCase& c, double id_tolerance) {
   const double ulp = narrow.dtype() == LMLOSS_BF16 ? 0x1p-7 : 0x1p-10;  // at most, relative
   int64_t differ = 0;
   for (int64_t i = 0; i < count; ++i) {
-    const double got = narrow.get(narrow_first + i), want = round_to(narrow.dtype(), double(float(wide.get(i)) * scale));
+    const double got = narrow.get(narrow_first + i);
+    const double want = round_to(narrow.dtype(), double(float(wide.get(i)) * scale));
     if (got == want) continue;
     ++differ;
     if (std::fabs(got - want) > ulp * std::fabs(want) + 0x1p-24)

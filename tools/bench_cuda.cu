@@ -999,8 +999,8 @@ class ModesBench {
   // as one product into a whole dW (the default's), as two products (one a part, as
   // LMLOSS_SUM_GRAD_WEIGHT_IN_F32 runs them), and as one strided-batched product over both parts
   // (the batch stride of D the distance between the buffers), and as one product batched from
-  // arrays of pointers (the parts wherever they lie). Can the parts cost what the whole does? The batched sums are compared with the two
-  // products'.
+  // arrays of pointers (the parts wherever they lie). Can the parts cost what the whole does? The
+  // batched sums are compared with the two products'.
   void dw_parts_probe(int64_t rows) {
     if (v_ % 2 != 0) {
       std::printf("dw-parts  V %lld is odd: no two equal parts\n", (long long)v_);
@@ -1303,7 +1303,9 @@ int run(int argc, char** argv) {
   const ModesBench::DwForm* dw_form = nullptr;
   for (const auto& form : ModesBench::kDwForms)
     if (dw_dtype == form.name) dw_form = &form;
-  if (!dw_form) throw std::invalid_argument("--dw-dtype takes f32, input, input-once, input-kept, input-kept-gap or input-kept-apart");
+  if (!dw_form)
+    throw std::invalid_argument(
+        "--dw-dtype takes f32, input, input-once, input-kept, input-kept-gap or input-kept-apart");
   bench.set_dw_form(*dw_form);
   bench.set_rest_ms(rest_ms);
   if (clocks && !bench.sample_clocks()) std::fprintf(stderr, "# --clocks: NVML did not answer; no clocks\n");

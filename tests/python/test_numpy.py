@@ -1,6 +1,11 @@
 """The NumPy path on the CPU against the float64 NumPy reference: every function and option,
 leading batch dimensions, strided views, and the reference checked against finite differences."""
 
+import os
+import subprocess
+import sys
+import threading
+
 import numpy as np
 import pytest
 
@@ -497,7 +502,6 @@ def test_settings():
 def test_threads_each_have_their_own_context():
     """Calls from several threads at once (each thread's own context, the GIL released while the
     library works) give the single-threaded results."""
-    import threading
 
     rng = np.random.default_rng(19)
     problems = []
@@ -656,7 +660,6 @@ def test_extension_refuses_what_it_cannot_describe():
 
 def _in_a_fresh_thread(fn):
     """fn's value or exception, from a thread of its own: one with no lmloss context yet."""
-    import threading
     out = {}
 
     def run():
@@ -697,8 +700,6 @@ print(lmloss.peak_workspace())
 
 def test_contexts_released_at_the_interpreters_exit():
     # While the interpreter (and PyTorch, whose allocator may have lent the workspace) still exists.
-    import subprocess
-    import sys
     run = subprocess.run([sys.executable, "-c", _RELEASED_AT_EXIT], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["0"]
@@ -721,9 +722,6 @@ except MemoryError as e:
 
 def test_host_out_of_memory_is_a_memory_error():
     # The default 1 GiB budget's workspace under an address-space limit 200 MiB above the inputs.
-    import os
-    import subprocess
-    import sys
     if "libasan" in os.environ.get("LD_PRELOAD", ""):
         pytest.skip("AddressSanitizer's allocator stops the process where memory runs out")
     run = subprocess.run([sys.executable, "-c", _OUT_OF_HOST_MEMORY], capture_output=True,
