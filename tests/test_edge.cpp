@@ -566,9 +566,14 @@ TEST_P(Edge, BudgetOfTheStatedMinimumRunsWithinIt) {
                          [&] { expect_matches_reference(c, Mode::forward_backward); });
   }
   {
-    // (f32: with bf16 inputs the plan slices W by the budget, so the minimum moves with it.)
     SCOPED_TRACE("linear f32 with bias");
     LossCase c(gen.problem({.n_tokens = 6, .vocab = 1031, .hidden = 16, .bias = true}), some_options(), setup());
+    expect_minimum_holds([&](lmloss_context* ctx) { return c.forward_backward(ctx); },
+                         [&] { expect_matches_reference(c, Mode::forward_backward); });
+  }
+  {
+    SCOPED_TRACE("linear bf16, W converted in slices the budget sizes");
+    LossCase c(gen.problem({.n_tokens = 6, .vocab = 1031, .hidden = 16}), some_options(), setup(LMLOSS_BF16));
     expect_minimum_holds([&](lmloss_context* ctx) { return c.forward_backward(ctx); },
                          [&] { expect_matches_reference(c, Mode::forward_backward); });
   }

@@ -151,8 +151,8 @@ struct Plan {
 };
 
 template <typename C>
-Plan plan_head(const lmloss_context& context, bool linear, int64_t n_tokens, int64_t vocab,
-               int64_t hidden, lmloss_dtype input_dtype, size_t extra_fixed, size_t extra_per_row) {
+Plan plan_head(size_t budget, bool linear, int64_t n_tokens, int64_t vocab, int64_t hidden, lmloss_dtype input_dtype,
+               size_t extra_fixed, size_t extra_per_row) {
   Plan plan;
   const size_t s = sizeof(C);
   const bool convert = input_dtype != (s == 8 ? LMLOSS_F64 : LMLOSS_F32);
@@ -163,11 +163,11 @@ Plan plan_head(const lmloss_context& context, bool linear, int64_t n_tokens, int
     if (convert) {
       plan.bytes_per_row += size_t(hidden) * s;  // the chunk of X, converted
       const size_t whole_weight = size_t(vocab) * size_t(hidden) * s;
-      if (whole_weight <= context.workspace_budget / 4) {
+      if (whole_weight <= budget / 4) {
         plan.weight_slice = vocab;
         plan.weight_converted_once = true;
       } else {
-        plan.weight_slice = std::max<int64_t>(1, int64_t(context.workspace_budget / 8 / (size_t(hidden) * s)));
+        plan.weight_slice = std::max<int64_t>(1, int64_t(budget / 8 / (size_t(hidden) * s)));
         plan.weight_slice = std::min(plan.weight_slice, vocab);
       }
       plan.fixed_bytes += size_t(plan.weight_slice) * size_t(hidden) * s;
@@ -175,16 +175,33 @@ Plan plan_head(const lmloss_context& context, bool linear, int64_t n_tokens, int
       plan.weight_slice = vocab;
     }
   }
-  plan.chunk_rows = core::plan_chunk_rows(context.workspace_budget, plan.fixed_bytes, plan.bytes_per_row, n_tokens);
+  plan.chunk_rows = core::plan_chunk_rows(budget, plan.fixed_bytes, plan.bytes_per_row, n_tokens);
   return plan;
 }
 
+// The budget above `refused` from which `plan_for(budget)` holds a row, one byte less holding none.
+// Not the refused plan's own fixed + per-row bytes: W's slices, held throughout, grow with the budget.
+template <typename PlanFor>
+size_t least_budget(const PlanFor& plan_for, size_t refused) {
+  size_t low = refused, high = std::max<size_t>(2 * refused, 64);
+  while (plan_for(high).chunk_rows == 0) {
+    low = high;
+    if (high > std::numeric_limits<size_t>::max() / 2) return std::numeric_limits<size_t>::max();
+    high *= 2;
+  }
+  while (high - low > 1) {  // plan_for(low) holds no row, plan_for(high) does
+    const size_t middle = low + (high - low) / 2;
+    (plan_for(middle).chunk_rows == 0 ? low : high) = middle;
+  }
+  return high;
+}
+
 // `held_for`: what, besides the logits, the call holds throughout (named when it is most of it).
-lmloss_status budget_error(const lmloss_context& context, const Plan& plan, const std::string& held_for = "") {
+lmloss_status budget_error(const lmloss_context& context, size_t least, const std::string& held_for = "") {
   return core::fail(LMLOSS_ERROR_INVALID_ARGUMENT,
                     "context workspace budget: " + std::to_string(context.workspace_budget) +
-                        " bytes hold not even one row of logits; this problem needs at least " +
-                        std::to_string(plan.fixed_bytes + plan.bytes_per_row) + " bytes" + held_for);
+                        " bytes hold not even one row of logits; this problem needs at least " + std::to_string(least) +
+                        " bytes" + held_for);
 }
 
 // Workspace bytes a call holds for a 16-bit dW's f32 sum beyond grad_weight's own bytes: its rows
@@ -710,10 +727,10 @@ class CpuBackend final : public core::Backend {
                                                                std::to_string(t) + " is outside [0, " + std::to_string(call.vocab) + ")");
       }
     }
-    const Plan plan = plan_loss(context, call);
-    if (plan.chunk_rows == 0) {
+    if (plan_loss(context, call).chunk_rows == 0) {
       const size_t sum_bytes = own_weight_sum_bytes(call);
-      return budget_error(context, plan,
+      const auto plan_for = [&](size_t budget) { return plan_loss(context, call, budget); };
+      return budget_error(context, least_budget(plan_for, context.workspace_budget),
                           sum_bytes ? ", " + std::to_string(sum_bytes) +
                                           " of them the f32 sum of the bf16/f16 grads.grad_weight beyond its own "
                                           "bytes (which options.grad_weight_sum_tail keeps in the caller's memory instead)"
@@ -723,8 +740,10 @@ class CpuBackend final : public core::Backend {
   }
 
   lmloss_status check(lmloss_context& context, const TopkCall& call) override {
-    const Plan plan = plan_topk(context, call);
-    if (plan.chunk_rows == 0) return budget_error(context, plan);
+    if (plan_topk(context, call).chunk_rows == 0) {
+      const auto plan_for = [&](size_t budget) { return plan_topk(context, call, budget); };
+      return budget_error(context, least_budget(plan_for, context.workspace_budget));
+    }
     return LMLOSS_SUCCESS;
   }
 
@@ -779,7 +798,15 @@ class CpuBackend final : public core::Backend {
     if (context.num_threads > 0) openblas_set_num_threads(context.num_threads);
   }
 
+  // The plans under the context's budget, or under `budget` (what the least workable one is).
   static Plan plan_loss(const lmloss_context& context, const LossCall& call) {
+    return plan_loss(context, call, context.workspace_budget);
+  }
+  static Plan plan_topk(const lmloss_context& context, const TopkCall& call) {
+    return plan_topk(context, call, context.workspace_budget);
+  }
+
+  static Plan plan_loss(const lmloss_context& context, const LossCall& call, size_t budget) {
     const int threads = thread_count(context);
     const bool f64 = call.compute_dtype == LMLOSS_F64;
     const size_t s = f64 ? 8 : 4;
@@ -792,15 +819,15 @@ class CpuBackend final : public core::Backend {
       fixed += own_weight_sum_bytes(call);
       if (g.grad_bias.data) fixed += size_t(call.vocab) * s;
     }
-    return f64 ? plan_head<double>(context, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row)
-               : plan_head<float>(context, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row);
+    return f64 ? plan_head<double>(budget, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row)
+               : plan_head<float>(budget, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row);
   }
 
-  static Plan plan_topk(const lmloss_context& context, const TopkCall& call) {
+  static Plan plan_topk(const lmloss_context& context, const TopkCall& call, size_t budget) {
     const size_t fixed = size_t(thread_count(context)) * size_t(call.vocab) * sizeof(int32_t);
     return call.compute_dtype == LMLOSS_F64
-               ? plan_head<double>(context, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, 0)
-               : plan_head<float>(context, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, 0);
+               ? plan_head<double>(budget, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, 0)
+               : plan_head<float>(budget, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, 0);
   }
 };
 
