@@ -207,14 +207,15 @@ __device__ __forceinline__ void add_to_lse(MaxSum& acc, float s) {
   if (s > acc.max) {
     acc.sum = acc.sum * expf(acc.max - s) + 1.f;
     acc.max = s;
-  } else {
+  } else if (s != -INFINITY) {  // a masked logit adds nothing: exp(-inf - -inf) would be NaN
     acc.sum += expf(s - acc.max);
   }
 }
+// The side holding the max keeps its sum as it is: exp(m - m) is NaN at m = +-inf (rows masked
+// whole with -inf, or a logit of +inf).
 __device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
   const float m = fmaxf(a.max, b.max);
-  if (m == -INFINITY) return {m, 0.f};
-  return {m, a.sum * expf(a.max - m) + b.sum * expf(b.max - m)};
+  return {m, (a.max == m ? a.sum : a.sum * expf(a.max - m)) + (b.max == m ? b.sum : b.sum * expf(b.max - m))};
 }
 
 __device__ __forceinline__ MaxSum block_reduce_maxsum(MaxSum v, float2* scratch) {

@@ -324,6 +324,8 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
       map_shifted_row(z, dz, V, partial, [&](float v, float tile_max) {
         return (p_coef * exp2f(fmaf(v, kLog2e, (tile_max - lse) * kLog2e)) + offset) * ds_dz;
       });
+    } else if (!counted) {  // zeros, as on the CPU, even where exp(s - lse) is not defined (lse -inf)
+      write_row(z, dz, V, [](int64_t, float) { return 0.f; });
     } else {
       write_row(z, dz, V, [&](int64_t j, float v) {
         const float s = scale.apply(bias ? v + bias[j] : v);
