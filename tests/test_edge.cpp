@@ -383,22 +383,30 @@ TEST_P(Edge, LogitsMaskedWithMinusInfinity) {
 }
 
 TEST_P(Edge, InfiniteLogitGivesInfiniteLse) {
-  // A logit of +inf (an overflow upstream): its row's lse is +inf and its loss not finite; the
-  // other rows are as without it. Top-k puts the id first and gives it all the probability.
+  // A logit of +inf (an overflow upstream): its row's lse is +inf and so its loss (its label
+  // elsewhere), with or without the z-loss (absent at 0, not 0 inf^2 = NaN); the other rows are as
+  // without it. Top-k puts the id first and gives it all the probability.
   Generator gen(313);
   const int64_t n = 4, vocab = 129;
   reference::Problem p = gen.problem({.n_tokens = n, .vocab = vocab, .ignore_fraction = 0});
   p.logits[1 * vocab + 17] = INFINITY;
-  lmloss_loss_options o = lmloss_loss_options_default();
-  o.reduction = LMLOSS_REDUCTION_NONE;
-  LossCase c(p, o, setup());
-  ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-  EXPECT_EQ(c.lse.get(1), INFINITY);
-  EXPECT_FALSE(std::isfinite(c.loss.get(1)));
-  const reference::LossResult ref = c.reference();
-  for (const int64_t t : {0, 2, 3}) {
-    EXPECT_NEAR(c.lse.get(t), ref.lse[t], 1e-5 * std::abs(ref.lse[t])) << "token " << t;
-    EXPECT_NEAR(c.loss.get(t), ref.loss[t], 1e-5 * std::abs(ref.loss[t])) << "token " << t;
+  p.labels[1] = 5;
+  for (const double z_loss : {0.0, 1e-3}) {
+    SCOPED_TRACE(cat("z_loss ", z_loss));
+    lmloss_loss_options o = lmloss_loss_options_default();
+    o.reduction = LMLOSS_REDUCTION_NONE;
+    o.label_smoothing = 0;
+    o.z_loss = z_loss;
+    LossCase c(p, o, setup());
+    ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_EQ(c.lse.get(1), INFINITY);
+    EXPECT_EQ(c.loss.get(1), INFINITY);
+    const reference::LossResult ref = c.reference();
+    EXPECT_EQ(ref.loss[1], INFINITY);
+    for (const int64_t t : {0, 2, 3}) {
+      EXPECT_NEAR(c.lse.get(t), ref.lse[t], 1e-5 * std::abs(ref.lse[t])) << "token " << t;
+      EXPECT_NEAR(c.loss.get(t), ref.loss[t], 1e-5 * std::abs(ref.loss[t])) << "token " << t;
+    }
   }
   for (const int renormalize : {1, 0}) {
     lmloss_topk_options to = lmloss_topk_options_default();

@@ -63,7 +63,7 @@ struct LossWeights {
   // when eps > 0); teacher_cross: sum_k P_k (log P_k - s_{I_k}) with 0 log 0 = 0; teacher_mass:
   // sum_k P_k.
   LMLOSS_HOST_DEVICE T loss(T lse, T s_label, T sum_s, T teacher_cross, T teacher_mass) const {
-    T l = z_loss * lse * lse;
+    T l = z_loss != T(0) ? z_loss * lse * lse : T(0);  // absent at 0, not 0 inf^2 for an infinite lse
     if (alpha != T(0)) {
       T ce = lse - (T(1) - label_smoothing) * s_label;
       if (label_smoothing != T(0)) ce -= label_smoothing * inv_vocab * sum_s;
@@ -74,7 +74,7 @@ struct LossWeights {
   }
   // dl/ds_j = p_coef * p_j + offset, before the sparse corrections.
   LMLOSS_HOST_DEVICE T p_coef(T g, T lse, T teacher_mass) const {
-    return g * (alpha + T(2) * z_loss * lse + beta * teacher_mass);
+    return g * (alpha + (z_loss != T(0) ? T(2) * z_loss * lse : T(0)) + beta * teacher_mass);
   }
   LMLOSS_HOST_DEVICE T offset(T g) const { return -g * alpha * label_smoothing * inv_vocab; }
   // Added to dl/ds at the label, and at each teacher id (times P_k).

@@ -109,8 +109,9 @@ def loss_reference(z, labels=None, teacher_ids=None, teacher_probs=None, token_m
         if not counted[t]:
             continue
         p = np.exp(s[t] - lse[t])
-        l_t = z_loss * lse[t] ** 2
-        g = 2.0 * z_loss * lse[t] * p
+        # The z-loss term is absent at 0, not 0 * inf^2, for an infinite lse.
+        l_t = z_loss * lse[t] ** 2 if z_loss != 0.0 else 0.0
+        g = 2.0 * z_loss * lse[t] * p if z_loss != 0.0 else np.zeros_like(p)
         if ce_weight != 0.0:
             y = int(labels[t])
             eps = label_smoothing

@@ -102,7 +102,7 @@ LossResult loss(const Problem& p, const lmloss_loss_options& o,
     if (!is_counted(p, o, t)) continue;
     ++counted;
     const double lse = r.lse[t];
-    double lt = lambda * lse * lse;
+    double lt = lambda != 0 ? lambda * lse * lse : 0;  // absent, as the sum below, at an infinite lse
     if (!p.labels.empty()) {
       check_id(p.labels[t], V, "labels");
       double ce = lse - (1 - eps) * st[p.labels[t]];
@@ -167,7 +167,7 @@ LossResult loss(const Problem& p, const lmloss_loss_options& o,
         const double onehot = j == p.labels[t] ? 1.0 : 0.0;
         ds += alpha * (pj - (1 - eps) * onehot - eps / V);
       }
-      ds += 2 * lambda * lse * pj;
+      if (lambda != 0) ds += 2 * lambda * lse * pj;
       if (has_teacher) {
         double at_j = 0;
         for (int64_t k = 0; k < K; ++k) {
