@@ -819,15 +819,14 @@ class CpuBackend final : public core::Backend {
       fixed += own_weight_sum_bytes(call);
       if (g.grad_bias.data) fixed += size_t(call.vocab) * s;
     }
-    return f64 ? plan_head<double>(budget, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row)
-               : plan_head<float>(budget, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row);
+    const auto plan_head_in = f64 ? &plan_head<double> : &plan_head<float>;
+    return plan_head_in(budget, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, per_row);
   }
 
   static Plan plan_topk(const lmloss_context& context, const TopkCall& call, size_t budget) {
     const size_t fixed = size_t(thread_count(context)) * size_t(call.vocab) * sizeof(int32_t);
-    return call.compute_dtype == LMLOSS_F64
-               ? plan_head<double>(budget, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, 0)
-               : plan_head<float>(budget, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, 0);
+    const auto plan_head_in = call.compute_dtype == LMLOSS_F64 ? &plan_head<double> : &plan_head<float>;
+    return plan_head_in(budget, call.linear, call.n_tokens, call.vocab, call.hidden, call.input_dtype, fixed, 0);
   }
 };
 
