@@ -325,7 +325,9 @@ __device__ void write_output(const TopkRowsArgs& a, int64_t t, const uint64_t* s
                              float* scratch) {
   const int64_t k = a.k;
   const float top = composite_value(sorted[0]);
-  const float base = a.renormalize ? top : lse;
+  // Renormalized: relative to the top value, or to 0 where it is infinite (as on the CPU: a +inf
+  // logit's entry is inf / inf and the others 0, not NaN for every entry).
+  const float base = a.renormalize ? (isinf(top) ? 0.f : top) : lse;
   float sum = 0.f;
   for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
     sum += expf(composite_value(sorted[i]) - base);
