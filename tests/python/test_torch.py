@@ -237,6 +237,32 @@ def test_an_empty_batch(device, dtype, reduction):
 
 
 @pytest.mark.parametrize("device", ARRAY_DEVICES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_logits_masked_with_minus_infinity_as_torch(device, reduction):
+    """Logits a caller masked with -inf take no probability and no gradient, as in
+    F.cross_entropy; a row masked whole, its token ignored, has lse -inf, loss 0 and a zero
+    gradient (PyTorch's is NaN there, so its reference row is zeros, ignored all the same)."""
+    g = torch.Generator().manual_seed(11)
+    n, v = 6, 37
+    z = torch.randn(n, v, generator=g)
+    y = torch.randint(0, v, (n,), generator=g)
+    masked = torch.rand(n, v, generator=g) < 0.4
+    masked[torch.arange(n), y] = False
+    z[masked] = -math.inf
+    z[4], y[4] = -math.inf, -100
+    ours, ref = leaf(z.to(device)), leaf(z.masked_fill(torch.arange(n)[:, None] == 4, 0.0))
+    loss, lse = lt.cross_entropy(ours, y.to(device), reduction=reduction, return_lse=True)
+    expected = F.cross_entropy(ref, y, reduction=reduction)
+    assert_close(loss, expected, "float32", "loss")
+    assert lse[4].item() == -math.inf and torch.isfinite(lse[torch.arange(n) != 4]).all()
+    loss.sum().backward()
+    expected.sum().backward()
+    assert torch.isfinite(ours.grad).all()
+    assert not ours.grad.cpu()[masked].any() and not ours.grad[4].any()
+    assert_close(ours.grad, ref.grad, "float32", "grad of the logits")
+
+
+@pytest.mark.parametrize("device", ARRAY_DEVICES)
 def test_autocast_takes_the_product_in_its_dtype(device):
     """Under torch.autocast a float32 head runs as F.linear would, in autocast's dtype: the loss
     and, cast back to float32, the gradients of the same call on bf16 copies. A bf16 hidden with
