@@ -18,11 +18,15 @@ lmloss's dW in float32 and in bf16, rounded once and after each token chunk. Wit
 --launch-ahead MS a sleep kernel of about MS ms goes before each timed run, so that the host's
 work before a step's first kernel (dispatch, allocation, a compiled graph's guards) overlaps it as
 in a training loop, where the host runs ahead, and the events time the GPU's work alone; without
-it they time that host work too. Prints a table and writes JSON.
+it they time that host work too. With --clocks the SM clock is sampled (NVML) while each timed
+run is on the device: each row gets the median clock of its runs and of its floor's, and how many
+runs the power limit or heat held back, as `bench_cuda_modes --clocks 1` gives them (a card at
+its power limit runs a step at the clock its energy allows). Prints a table and writes JSON.
 
   python3 bench/peers.py --presets llama3-8b,gemma2-2b --json peers.json
 """
 import argparse
+import ctypes
 import json
 import math
 import statistics
@@ -49,6 +53,44 @@ MODES = {
 
 _flush = None
 _launch_ahead_cycles = 0  # --launch-ahead: a sleep kernel's cycles queued before each timed run
+_clock_probe = None  # --clocks: a ClockProbe
+
+
+class ClockProbe:
+    """The SM clock of the current CUDA device and whether the power limit or heat is holding it
+    back, from NVML (loaded at run time; `ok` is False where it does not answer)."""
+
+    SM_CLOCK = 1  # NVML_CLOCK_SM
+    # Software power cap, hardware slowdown, software and hardware thermal slowdown, power brake.
+    HELD_BACK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+    def __init__(self):
+        self.ok = False
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            return
+        self._clock = nvml.nvmlDeviceGetClockInfo
+        self._clock.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint)]
+        self._reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        self._reasons.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
+        by_bus = nvml.nvmlDeviceGetHandleByPciBusId_v2
+        by_bus.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        if not hasattr(props, "pci_bus_id"):  # an older PyTorch: no way to name the device to NVML
+            return
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        self._device = ctypes.c_void_p()
+        self.ok = nvml.nvmlInit_v2() == 0 and by_bus(bus.encode(), ctypes.byref(self._device)) == 0
+
+    def sample(self):
+        """(MHz, held back), or None where NVML does not answer."""
+        mhz, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
+        if (self._clock(self._device, self.SM_CLOCK, ctypes.byref(mhz)) != 0
+                or self._reasons(self._device, ctypes.byref(reasons)) != 0):
+            return None
+        return mhz.value, bool(reasons.value & self.HELD_BACK)
 
 
 def flush_l2():
@@ -59,10 +101,11 @@ def flush_l2():
 
 
 def timed(fn, repeats):
-    """Median ms and peak extra bytes of fn() over `repeats` runs after one warm-up."""
+    """Median ms and peak extra bytes of fn() over `repeats` runs after one warm-up, and with
+    --clocks (median MHz of the runs' medians, runs held back at some sample), else None."""
     fn()
     torch.cuda.synchronize()
-    times, peak = [], 0
+    times, peak, run_mhz, held = [], 0, [], 0
     for _ in range(repeats):
         getattr(fn, "reset", lambda: None)()  # the last run's gradients are not the baseline
         flush_l2()
@@ -75,12 +118,22 @@ def timed(fn, repeats):
         start.record()
         out = fn()
         stop.record()
+        samples = []
+        while _clock_probe is not None and not stop.query():
+            sample = _clock_probe.sample()
+            if sample is not None:
+                samples.append(sample)
+            time.sleep(0.0005)
         torch.cuda.synchronize()
         times.append(start.elapsed_time(stop))
         peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        if samples:
+            run_mhz.append(statistics.median(mhz for mhz, _ in samples))
+            held += any(h for _, h in samples)
         del out
     times.sort()
-    return times[len(times) // 2], peak
+    clocks = (statistics.median(run_mhz), held) if run_mhz else None
+    return times[len(times) // 2], peak, clocks
 
 
 def sleep_cycles(ms):
@@ -304,11 +357,19 @@ def main():
                     help="keep the GPU busy this long before each timed run (a sleep kernel), so "
                          "that the host's launches overlap it as in a training loop, where the "
                          "host runs ahead: the time is then the GPU's alone")
+    ap.add_argument("--clocks", action="store_true",
+                    help="sample the SM clock (NVML) while each timed run is on the device")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     dev = torch.cuda.get_device_name()
     global _launch_ahead_cycles
     _launch_ahead_cycles = sleep_cycles(args.launch_ahead) if args.launch_ahead > 0 else 0
+    global _clock_probe
+    if args.clocks:
+        _clock_probe = ClockProbe()
+        if not _clock_probe.ok:
+            print("# --clocks: NVML did not answer; no clocks", file=sys.stderr)
+            _clock_probe = None
     ahead = f", launched {args.launch_ahead:g} ms ahead" if args.launch_ahead > 0 else ""
     print(f"# {dev}, torch {torch.__version__}, bf16, median of {args.repeats}, L2 flushed, "
           f"CUDA events{ahead}")
@@ -331,11 +392,11 @@ def main():
                 first = round_index == 0  # errors and profiles are taken once
                 for name in names if round_index % 2 == 0 else names[::-1]:
                     t0 = time.time()
-                    floor_ms = timed(floor_fn(x, w, count), args.repeats)[0]
+                    floor_ms, _, floor_clocks = timed(floor_fn(x, w, count), args.repeats)
                     try:
                         no_autograd = name.endswith("-op")  # gradients from the op itself
                         run = step(fns[name], x, w, want_dx and not no_autograd, want_dw and not no_autograd)
-                        ms, peak = timed(run, args.repeats)
+                        ms, peak, clocks = timed(run, args.repeats)
                         err = None
                         err64 = None
                         if want_dx and not no_autograd and first:
@@ -357,13 +418,22 @@ def main():
                     if err64 is not None:
                         row.update(loss_rel_err_f64=err64[0], dx_rel_err_f64=err64[1],
                                    dw_rel_err_f64=err64[2])
+                    clock_note = ""
+                    if clocks and floor_clocks:
+                        (mhz, held), (floor_mhz, floor_held) = clocks, floor_clocks
+                        row.update(sm_mhz=mhz, held_runs=held, floor_sm_mhz=floor_mhz,
+                                   floor_held_runs=floor_held)
+                        r = args.repeats
+                        clock_note = (f"  clock {mhz:.0f} MHz, held {held}/{r}"
+                                      f" (floor {floor_mhz:.0f} MHz, held {floor_held}/{r})")
                     rows.append(row)
                     print(f"{preset:10s} N {n:6d} {mode:9s} {name:14s} {ms:9.3f} ms  floor {floor_ms:8.3f}"
                           f"  x{ms / floor_ms:.3f}  peak {peak / 2**30:6.2f} GiB"
                           + (f"  round {round_index}" if args.rounds > 1 else "")
                           + (f"  dX err vs naive {err:.2e}" if err is not None else "")
-                          + ("  vs f64: loss {:.1e} dX {:.1e} dW {:.1e}".format(*err64) if err64 else ""),
-                          flush=True)
+                          + ("  vs f64: loss {:.1e} dX {:.1e} dW {:.1e}".format(*err64)
+                             if err64 else "")
+                          + clock_note, flush=True)
                     if args.profile and first:
                         total, kernels = kernel_profile(run)
                         print_kernels(f"{name} (the step {ms:.3f} ms)", total, kernels)

@@ -201,8 +201,9 @@ if has_stage dw; then
       --methods lmloss,lmloss-f32dw,torch.compile --repeats 5 --rounds 2 --json "$OUT/peers_kept_$hidden.json" 2>&1 |
       tee -a "$OUT/peers_kept.log"
   done
-  # The same with the host's launches ahead of the GPU, as in a training loop: the GPU's time alone.
-  pyrun env PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --modes fwd_bwd --launch-ahead 3 \
+  # The same with the host's launches ahead of the GPU, as in a training loop: the GPU's time alone,
+  # with the SM clock each method ran at (a card at its power limit).
+  pyrun env PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --modes fwd_bwd --launch-ahead 3 --clocks \
     --methods lmloss,lmloss-f32dw,torch.compile --repeats 5 --rounds 2 --json "$OUT/peers_kept_ahead.json" 2>&1 |
     tee -a "$OUT/peers_kept.log"
 fi
