@@ -9,7 +9,8 @@
 #
 # --stages may also name dw (not run by default): a 16-bit dW timed six ways, its products in two
 # parts against one batched product, lmloss's dW errors against float64, and lmloss.torch with its
-# dW's f32 sum kept against a float32 dW of its own, beside torch.compile.
+# dW's f32 sum kept against a float32 dW of its own, beside torch.compile; and kernels: the
+# forward and the step kernel by kernel under ncu.
 #
 # The build folder (default build-cuda) is used as it is when it holds the binaries (a build made
 # on another machine: scripts/gpu_build.sh --pack), else configured and built here. Python peers
@@ -206,6 +207,22 @@ if has_stage dw; then
   pyrun env PYTHONUNBUFFERED=1 python3 bench/peers.py --presets llama3-8b --modes fwd_bwd --launch-ahead 3 --clocks \
     --methods lmloss,lmloss-f32dw,torch.compile --repeats 5 --rounds 2 --json "$OUT/peers_kept_ahead.json" 2>&1 |
     tee -a "$OUT/peers_kept.log"
+fi
+
+# Not in the default stages: the forward and the fused step at llama3-8b kernel by kernel under
+# ncu, at the card's own clocks: each kernel's time, tensor-pipe and DRAM use and SM clock, the
+# floor's cuBLASLt products among them (where a card's extra over its floor goes: run 49 had an
+# H100's statistics product ~2 ms behind cuBLASLt's forward, an H200's level with it).
+if has_stage kernels; then
+  echo "== kernels: the forward and the step under ncu (llama3-8b)"
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  metrics=gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+  metrics=$metrics,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__cycles_elapsed.avg.per_second
+  for mode in forward fwd_bwd; do
+    run timeout 300 "$NCU" --clock-control none --metrics "$metrics" --print-summary per-kernel \
+      "$BUILD/tools/bench_cuda_modes" --preset llama3-8b --modes $mode --repeats 1 > "$OUT/kernels_$mode.log" 2>&1
+    note "kernels $mode rc=$? (ncu per-kernel summary in kernels_$mode.log)"
+  done
 fi
 
 if has_stage curve; then
