@@ -593,6 +593,15 @@ TEST_P(Edge, BudgetOfTheStatedMinimumRunsWithinIt) {
     expect_minimum_holds([&](lmloss_context* ctx) { return c.run(ctx); },
                          [&] { expect_topk_matches_reference(c, tolerance(LMLOSS_F32)); });
   }
+  {
+    SCOPED_TRACE("top-k of a linear bf16 head, W converted in slices the budget sizes");
+    lmloss_topk_options o = lmloss_topk_options_default();
+    o.k = 5;
+    TopkCase c(gen.problem({.n_tokens = 6, .vocab = 1031, .hidden = 16, .labels = false}), o,
+               topk_setup(LMLOSS_BF16));
+    expect_minimum_holds([&](lmloss_context* ctx) { return c.run(ctx); },
+                         [&] { expect_topk_matches_reference(c, tolerance(LMLOSS_BF16)); });
+  }
 }
 
 // Chunks take as many rows as the budget holds: less than one row of it is left unused.
