@@ -66,21 +66,19 @@ class ClockProbe:
 
     def __init__(self):
         self.ok = False
-        try:
-            nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        except OSError:
-            return
-        self._clock = nvml.nvmlDeviceGetClockInfo
-        self._clock.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint)]
-        self._reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            nvml.nvmlDeviceGetCurrentClocksThrottleReasons
-        self._reasons.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
-        by_bus = nvml.nvmlDeviceGetHandleByPciBusId_v2
-        by_bus.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        if not hasattr(props, "pci_bus_id"):  # an older PyTorch: no way to name the device to NVML
+        try:  # no NVML, one without these entry points, or a PyTorch that names no PCI bus
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            self._clock = nvml.nvmlDeviceGetClockInfo
+            self._reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+            by_bus = nvml.nvmlDeviceGetHandleByPciBusId_v2
+            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        except (OSError, AttributeError):
             return
-        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        self._clock.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint)]
+        self._reasons.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
+        by_bus.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
         self._device = ctypes.c_void_p()
         self.ok = nvml.nvmlInit_v2() == 0 and by_bus(bus.encode(), ctypes.byref(self._device)) == 0
 

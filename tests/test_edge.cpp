@@ -385,7 +385,7 @@ TEST_P(Edge, LogitsMaskedWithMinusInfinity) {
 TEST_P(Edge, InfiniteLogitGivesInfiniteLse) {
   // A logit of +inf (an overflow upstream): its row's lse is +inf and so its loss (its label
   // elsewhere), with or without the z-loss (absent at 0, not 0 inf^2 = NaN); the other rows are as
-  // without it. Top-k puts the id first and gives it all the probability.
+  // without it. Top-k puts the id first, its probability inf / inf (NaN) and the others' 0.
   Generator gen(313);
   const int64_t n = 4, vocab = 129;
   reference::Problem p = gen.problem({.n_tokens = n, .vocab = vocab, .ignore_fraction = 0});

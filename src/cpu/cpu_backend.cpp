@@ -183,11 +183,12 @@ Plan plan_head(size_t budget, bool linear, int64_t n_tokens, int64_t vocab, int6
 // Not the refused plan's own fixed + per-row bytes: W's slices, held throughout, grow with the budget.
 template <typename PlanFor>
 size_t least_budget(const PlanFor& plan_for, size_t refused) {
-  size_t low = refused, high = std::max<size_t>(2 * refused, 64);
-  while (plan_for(high).chunk_rows == 0) {
-    low = high;
+  size_t low = refused, high = refused;
+  for (;;) {  // doubling up to a budget that holds a row
     if (high > std::numeric_limits<size_t>::max() / 2) return std::numeric_limits<size_t>::max();
-    high *= 2;
+    high = std::max<size_t>(2 * high, 64);
+    if (plan_for(high).chunk_rows != 0) break;
+    low = high;
   }
   while (high - low > 1) {  // plan_for(low) holds no row, plan_for(high) does
     const size_t middle = low + (high - low) / 2;
@@ -727,7 +728,7 @@ class CpuBackend final : public core::Backend {
                                                                std::to_string(t) + " is outside [0, " + std::to_string(call.vocab) + ")");
       }
     }
-    if (plan_loss(context, call).chunk_rows == 0) {
+    if (plan_loss(context, call, context.workspace_budget).chunk_rows == 0) {
       const size_t sum_bytes = own_weight_sum_bytes(call);
       const auto plan_for = [&](size_t budget) { return plan_loss(context, call, budget); };
       return budget_error(context, least_budget(plan_for, context.workspace_budget),
@@ -740,7 +741,7 @@ class CpuBackend final : public core::Backend {
   }
 
   lmloss_status check(lmloss_context& context, const TopkCall& call) override {
-    if (plan_topk(context, call).chunk_rows == 0) {
+    if (plan_topk(context, call, context.workspace_budget).chunk_rows == 0) {
       const auto plan_for = [&](size_t budget) { return plan_topk(context, call, budget); };
       return budget_error(context, least_budget(plan_for, context.workspace_budget));
     }
@@ -749,14 +750,14 @@ class CpuBackend final : public core::Backend {
 
   lmloss_status run(lmloss_context& context, const LossCall& call) override {
     set_blas_threads(context);
-    const Plan plan = plan_loss(context, call);
+    const Plan plan = plan_loss(context, call, context.workspace_budget);
     if (call.compute_dtype == LMLOSS_F64) return LossRunner<double>(context, call, plan).run();
     return LossRunner<float>(context, call, plan).run();
   }
 
   lmloss_status run(lmloss_context& context, const TopkCall& call) override {
     set_blas_threads(context);
-    const Plan plan = plan_topk(context, call);
+    const Plan plan = plan_topk(context, call, context.workspace_budget);
     if (call.compute_dtype == LMLOSS_F64) return run_topk<double>(context, call, plan);
     return run_topk<float>(context, call, plan);
   }
@@ -798,14 +799,7 @@ class CpuBackend final : public core::Backend {
     if (context.num_threads > 0) openblas_set_num_threads(context.num_threads);
   }
 
-  // The plans under the context's budget, or under `budget` (what the least workable one is).
-  static Plan plan_loss(const lmloss_context& context, const LossCall& call) {
-    return plan_loss(context, call, context.workspace_budget);
-  }
-  static Plan plan_topk(const lmloss_context& context, const TopkCall& call) {
-    return plan_topk(context, call, context.workspace_budget);
-  }
-
+  // The plans under `budget`: the context's, or one tried for the least that runs.
   static Plan plan_loss(const lmloss_context& context, const LossCall& call, size_t budget) {
     const int threads = thread_count(context);
     const bool f64 = call.compute_dtype == LMLOSS_F64;
