@@ -48,7 +48,7 @@ namespace lmloss::cuda {
 
 // Columns per partial: the product's tile width.
 constexpr int64_t kRowStatsTileColumns = 128;
-// Rows of a cluster of the product's tiles (two 128-row tiles): its grid covers a chunk's rows
+// Rows of a cluster of the product's tiles (2 x 2 tiles of 128): its grid covers a chunk's rows
 // in steps of this, so a chunk of other heights pays for a cluster row it only partly fills.
 constexpr int64_t kRowStatsClusterRows = 256;
 
