@@ -142,8 +142,8 @@ class RowStatsEpilogue {
     const int vocab = get<1>(problem_mnkl);
     const int m_tile = get<0>(tile_coord);
     const int n_tile = get<1>(tile_coord);
-    // A tile wholly past the problem stores nothing: a scheduler that pads its grid (to a swizzle
-    // group, measured with swizzle 8) would otherwise write partials past the row's last tile.
+    // A tile wholly past the problem stores nothing: a grid padded to whole clusters (odd counts of
+    // row or column tiles) or to swizzle groups would otherwise write partials past a row's last tile.
     if (m_tile * int(size<0>(tile_mnk)) >= rows || n_tile * int(size<1>(tile_mnk)) >= vocab) return;
     Tensor coords = local_tile(make_identity_tensor(make_shape(rows, vocab)), take<0, 2>(tile_mnk),
                                make_coord(m_tile, n_tile));                       // (TILE_M, TILE_N)
