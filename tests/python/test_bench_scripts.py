@@ -47,3 +47,52 @@ def test_emulation_matches_the_library_called_per_chunk():
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
 def test_bench_script_parses(script):
     ast.parse((BENCH / script).read_text(), filename=script)
+
+
+
+def test_peers_clocks_count_only_the_timed_run(monkeypatch):
+    """--clocks with --launch-ahead: the SM clock sampled while the sleep kernel queued ahead of a
+    run is on the device is not that run's clock. A simulated device, a tick per poll: the sleep
+    kernel (900 MHz) until tick 6, where the start event is reached, then the run (1500 MHz, held
+    back at tick 7) until tick 9, where the stop event is: most samples are the sleep kernel's."""
+    torch = pytest.importorskip("torch")
+    import peers
+
+    device = {"tick": 0, "events": 0}
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.reached_at = 6 if device["events"] % 2 == 0 else 9  # start, then stop
+            device["events"] += 1
+
+        def record(self):
+            pass
+
+        def query(self):
+            return device["tick"] >= self.reached_at
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    class Probe:
+        def sample(self):
+            t = device["tick"]
+            return (900, False) if t < 6 else (1500, t == 7)
+
+    def next_run():
+        device["tick"] = 0
+
+    def tick(seconds):
+        device["tick"] += 1
+
+    for name, value in {"Event": Event, "synchronize": lambda: None, "memory_allocated": lambda: 0,
+                        "reset_peak_memory_stats": lambda: None, "max_memory_allocated": lambda: 0,
+                        "_sleep": lambda cycles: None}.items():
+        monkeypatch.setattr(torch.cuda, name, value, raising=False)
+    monkeypatch.setattr(peers, "flush_l2", next_run)
+    monkeypatch.setattr(peers, "_clock_probe", Probe())
+    monkeypatch.setattr(peers, "_launch_ahead_cycles", 1000)
+    monkeypatch.setattr(peers.time, "sleep", tick)
+    ms, peak, clocks = peers.timed(lambda: None, repeats=3)
+    assert (ms, peak) == (1.0, 0)
+    assert clocks == (1500, 3)
