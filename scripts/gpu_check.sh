@@ -95,6 +95,18 @@ if has_stage tests; then
     note "tests   $name rc=$rc $summary"
     [ $rc -ne 0 ] && { FAILED=1; grep -E 'Failure|error|FAILED' "$OUT/$name.log" | head -20; }
   done
+  # The statistics product's cluster shape is chosen per card (2 x 2 on an H100, 2 x 1 on an
+  # H200): its cases again with each shape forced, so that one card checks both.
+  if [ -x "$BUILD/tests/test_cuda" ]; then
+    for clusters in 2x1 2x2; do
+      LMLOSS_PRODUCT_CLUSTERS=$clusters run timeout 300 "$BUILD/tests/test_cuda" --gtest_brief=1 \
+        --gtest_filter='*FromTheProduct*:*ClusterRows*:*FusedStep*:*ForwardOfManyTokens*:*RunsAreBitwiseIdentical*' \
+        > "$OUT/test_cuda_clusters_$clusters.log" 2>&1
+      rc=$?
+      note "tests   test_cuda product cases in $clusters clusters rc=$rc $(grep -E '^\[  (PASSED|FAILED)' "$OUT/test_cuda_clusters_$clusters.log" | tr '\n' ' ')"
+      [ $rc -ne 0 ] && FAILED=1
+    done
+  fi
   if [ -x "$BUILD/examples/example_cuda_step" ]; then
     run "$BUILD/examples/example_cuda_step" > "$OUT/example_cuda_step.log" 2>&1
     rc=$?

@@ -312,6 +312,7 @@ bool head_suits_row_stats_product(const Call& call) {
 template <typename Call>
 RowStatsProductArgs row_stats_args(const Call& call, int64_t rows, int64_t row0 = 0) {
   RowStatsProductArgs a;
+  a.device = call.device_index;
   a.dtype = call.input_dtype;
   a.hidden_ld = row_stride(call.head.hidden);
   a.hidden = static_cast<const char*>(call.head.hidden.data) + row0 * a.hidden_ld * int64_t(core::dtype_size(a.dtype));

@@ -48,7 +48,7 @@ namespace lmloss::cuda {
 
 // Columns per partial: the product's tile width.
 constexpr int64_t kRowStatsTileColumns = 128;
-// Rows of a cluster of the product's tiles (2 x 2 tiles of 128): its grid covers a chunk's rows
+// Rows of a cluster of the product's tiles (2 x 1 or 2 x 2 tiles of 128): its grid covers a chunk's rows
 // in steps of this, so a chunk of other heights pays for a cluster row it only partly fills.
 constexpr int64_t kRowStatsClusterRows = 256;
 
@@ -66,6 +66,7 @@ inline int64_t row_stats_tiles(int64_t vocab) {
 }
 
 struct RowStatsProductArgs {
+  int device = 0;                    // the current device, which runs the product
   lmloss_dtype dtype = LMLOSS_BF16;  // of hidden and weight: bf16 or f16
   const void* hidden = nullptr;      // (rows, hidden_size), row stride hidden_ld
   int64_t hidden_ld = 0;

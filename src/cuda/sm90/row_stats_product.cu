@@ -6,15 +6,15 @@
 // tile and take turns, so one's epilogue runs under the other's main loop (measured on an H200,
 // against the cooperative 128 x 256 kernel where both warpgroups stop for the epilogue: the
 // product 12% faster at fixed clocks, at or below cuBLASLt's plain product in the forward).
-// Clusters of 2 x 2 tiles: each W tile is multicast to the cluster's two row tiles and each X tile
-// to its two column tiles, so a tile pulls half its operands through L2, as many bytes per output
-// as cuBLASLt's 192 x 192 tiles in 2 x 1 clusters. The product is bound by L2 bandwidth (ncu on an
-// H100: 87% of peak with 2 x 1 clusters, 66% with 2 x 2, a forward chunk's product 3.26 -> 2.95
-// ms); every mode gained 0.5-1.1 ms there. In a WGMMA accumulator fragment a thread holds
-// four rows (r and r + 8 of its warp's 16 in each of the tile's two 64-row halves) and, for each,
-// 32 of the tile's 128 columns; the four threads of a quad hold one row's 128 columns together.
-// So a tile row's (max, sum exp) needs two shuffles and no shared memory, and exactly one lane
-// writes it: the partials are deterministic.
+// Clusters of 2 x 1 or 2 x 2 tiles, by device (device_traits): each W tile is multicast to the
+// cluster's two row tiles and, in 2 x 2, each X tile to its two column tiles, so a tile pulls half
+// its operands through L2, as many bytes per output as cuBLASLt's 192 x 192 tiles in 2 x 1
+// clusters. Which tiles a cluster loads changes no sum: the outputs are bitwise the same.
+//
+// In a WGMMA accumulator fragment a thread holds four rows (r and r + 8 of its warp's 16 in each
+// of the tile's two 64-row halves) and, for each, 32 of the tile's 128 columns; the four threads
+// of a quad hold one row's 128 columns together. So a tile row's (max, sum exp) needs two
+// shuffles and no shared memory, and exactly one lane writes it: the partials are deterministic.
 //
 // The shifted logits go out through shared memory: each warp holds 32 whole rows of the tile (16
 // in each half), so it stages them alone (conflict-free 4-byte writes into rows padded to 272
@@ -26,6 +26,9 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "core/context.hpp"
@@ -503,10 +506,61 @@ constexpr bool columns_rise_along_rows() {
   return true;
 }
 
-template <typename Element, TopkKeep kKeep, bool kStatistics>
+// How many of the kernel's clusters the device holds at once, for the persistent scheduler's grid;
+// 0 if unknown, where CUTLASS falls back to its own estimate. That estimate assumes GPCs of 18
+// SMs: for clusters of four on a 132-SM card it launches 116 CTAs, where the H200 measured holds
+// 120. CUTLASS's own query leaves out the kernel's shared memory, and so counts more than fit.
+template <typename Kernel>
+int query_max_active_clusters() {
+  const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
+  const int smem = int(Kernel::SharedStorageSize);
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = size<0>(typename Kernel::ClusterShape{});
+  cluster.val.clusterDim.y = size<1>(typename Kernel::ClusterShape{});
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(cluster.val.clusterDim.x, cluster.val.clusterDim.y, 1);
+  config.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
+  config.dynamicSmemBytes = size_t(smem);
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return clusters;
+}
+
+// The device's SMs and its room for the kernel's clusters, read once per device and kernel: every
+// call plans twice (checking, then running).
+template <typename Kernel>
+cutlass::KernelHardwareInfo hardware_info(int device) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known_sms[kDevices], known_clusters[kDevices];  // 0 unknown
+  cutlass::KernelHardwareInfo info;
+  info.device_id = device;
+  if (device < 0 || device >= kDevices) return info;  // CUTLASS queries the SMs itself
+  info.sm_count = known_sms[device].load(std::memory_order_relaxed);
+  info.max_active_clusters = known_clusters[device].load(std::memory_order_relaxed);
+  if (info.sm_count > 0) return info;
+  if (cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    return cutlass::KernelHardwareInfo{device, 0, 0};
+  }
+  info.max_active_clusters = query_max_active_clusters<Kernel>();
+  known_clusters[device].store(info.max_active_clusters, std::memory_order_relaxed);
+  known_sms[device].store(info.sm_count, std::memory_order_relaxed);
+  return info;
+}
+
+// kClusterColumns: 2 for clusters of 2 x 2 tiles, 1 for 2 x 1 (see device_traits).
+template <typename Element, TopkKeep kKeep, bool kStatistics, int kClusterColumns>
 struct RowStatsGemm {
   using TileShape = Shape<_128, Int<int(kRowStatsTileColumns)>, _64>;
-  using ClusterShape = Shape<_2, _2, _1>;
+  using ClusterShape = Shape<_2, Int<kClusterColumns>, _1>;
   using Epilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<Element, kKeep, kStatistics>>;
   // A = X (rows, hidden) row-major; B = W (vocab, hidden): K-major, CUTLASS's column-major B.
@@ -546,7 +600,8 @@ struct RowStatsGemm {
             {int(a.rows), int(a.vocab), int(a.hidden_size), 1},
             {static_cast<const Element*>(a.hidden), {a.hidden_ld, Int<1>{}, int64_t(0)},
              static_cast<const Element*>(a.weight), {a.weight_ld, Int<1>{}, int64_t(0)}},
-            out};
+            out,
+            hardware_info<Kernel>(a.device)};
   }
 
   static size_t workspace(const RowStatsProductArgs& a) { return Device::get_workspace_size(arguments(a)); }
@@ -566,36 +621,73 @@ struct RowStatsGemm {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Whether `device` is an sm_90 (the only chip sm_90a code runs on), read once per device: every
-// call plans twice (checking, then running).
-bool is_sm90(int device) {
-  constexpr int kDevices = 64;
-  static std::atomic<int8_t> known[kDevices];  // 0 unknown, 1 yes, -1 no
-  if (device < 0 || device >= kDevices) return false;
-  if (const int8_t k = known[device].load(std::memory_order_relaxed)) return k > 0;
-  int major = 0, minor = 0;
-  const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
-  if (!ok) {
-    cudaGetLastError();
-    return false;  // not remembered: a later call may find the device
-  }
-  const bool yes = major == 9 && minor == 0;
-  known[device].store(yes ? 1 : -1, std::memory_order_relaxed);
-  return yes;
+// Clusters of 2 x 2 tiles halve the operand bytes a tile pulls through L2 against 2 x 1, but a GPC
+// holds fewer clusters of four: on the H200 measured, 30 (120 of its 132 SMs) against 66 of two.
+// So 2 x 2 pays where the 2 x 1 product is bound by L2 bandwidth, as on the H100 (ncu: 87% of L2
+// peak, 66% with 2 x 2; 0.5-1.1 ms off every mode), and not where the die's whole 60 MiB of L2 is
+// enabled, as on the H200 (2 x 2 there 0.7-1.6 ms slower in every mode). The L2's size tells them
+// apart. LMLOSS_PRODUCT_CLUSTERS=2x1 or 2x2 in the environment overrides the choice (read once).
+constexpr int kFullL2Bytes = 60 << 20;
+
+struct DeviceTraits {
+  bool sm90 = false;           // sm_90a code runs on it
+  bool wide_clusters = false;  // the product runs in 2 x 2 clusters
+};
+
+int clusters_from_environment() {  // 0 unset, 1 for 2 x 1, 2 for 2 x 2
+  static const int choice = [] {
+    const char* v = std::getenv("LMLOSS_PRODUCT_CLUSTERS");
+    if (v == nullptr || *v == 0) return 0;
+    if (std::strcmp(v, "2x1") == 0) return 1;
+    if (std::strcmp(v, "2x2") == 0) return 2;
+    std::fprintf(stderr, "lmloss: LMLOSS_PRODUCT_CLUSTERS=%s ignored: 2x1 or 2x2\n", v);
+    return 0;
+  }();
+  return choice;
 }
 
-// The kernel for the args' dtype and outputs: f(RowStatsGemm<...>{}).
-template <typename Element, typename F>
+// Read once per device: every call plans twice (checking, then running).
+DeviceTraits device_traits(int device) {
+  constexpr int kDevices = 64;
+  static std::atomic<int8_t> known[kDevices];  // 0 unknown, else 1 | sm90 << 1 | wide << 2
+  if (device < 0 || device >= kDevices) return {};
+  int8_t k = known[device].load(std::memory_order_relaxed);
+  if (k == 0) {
+    int major = 0, minor = 0, l2_bytes = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device) == cudaSuccess;
+    if (!ok) {
+      cudaGetLastError();
+      return {};  // not remembered: a later call may find the device
+    }
+    const int forced = clusters_from_environment();
+    const bool wide = forced ? forced == 2 : l2_bytes < kFullL2Bytes;
+    k = int8_t(1 | (major == 9 && minor == 0) << 1 | wide << 2);
+    known[device].store(k, std::memory_order_relaxed);
+  }
+  return {(k & 2) != 0, (k & 4) != 0};
+}
+
+// The kernel for the args' dtype, outputs and device: f(RowStatsGemm<...>{}).
+template <typename Element, int kClusterColumns, typename F>
 auto with_outputs(const RowStatsProductArgs& args, F&& f) {
   if (args.keep_above)
-    return args.partial ? f(RowStatsGemm<Element, kKeepAbove, true>{}) : f(RowStatsGemm<Element, kKeepAbove, false>{});
-  if (!args.candidates) return f(RowStatsGemm<Element, kKeepNone, true>{});
-  return args.partial ? f(RowStatsGemm<Element, kKeepGroupBest, true>{}) : f(RowStatsGemm<Element, kKeepGroupBest, false>{});
+    return args.partial ? f(RowStatsGemm<Element, kKeepAbove, true, kClusterColumns>{})
+                        : f(RowStatsGemm<Element, kKeepAbove, false, kClusterColumns>{});
+  if (!args.candidates) return f(RowStatsGemm<Element, kKeepNone, true, kClusterColumns>{});
+  return args.partial ? f(RowStatsGemm<Element, kKeepGroupBest, true, kClusterColumns>{})
+                      : f(RowStatsGemm<Element, kKeepGroupBest, false, kClusterColumns>{});
+}
+template <typename Element, typename F>
+auto with_clusters(const RowStatsProductArgs& args, F&& f) {
+  return device_traits(args.device).wide_clusters ? with_outputs<Element, 2>(args, f)
+                                                   : with_outputs<Element, 1>(args, f);
 }
 template <typename F>
 auto with_gemm(const RowStatsProductArgs& args, F&& f) {
-  return args.dtype == LMLOSS_F16 ? with_outputs<cutlass::half_t>(args, f) : with_outputs<cutlass::bfloat16_t>(args, f);
+  return args.dtype == LMLOSS_F16 ? with_clusters<cutlass::half_t>(args, f)
+                                  : with_clusters<cutlass::bfloat16_t>(args, f);
 }
 
 }  // namespace
@@ -605,7 +697,7 @@ bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hid
   if (dtype != LMLOSS_BF16 && dtype != LMLOSS_F16) return false;
   // The tensor-memory copies move 16-byte rows from 16-byte-aligned addresses.
   if (hidden_size % 8 || hidden_ld % 8 || weight_ld % 8 || !aligned16(hidden) || !aligned16(weight)) return false;
-  return is_sm90(device);
+  return device_traits(device).sm90;
 }
 
 size_t row_stats_product_workspace(const RowStatsProductArgs& args) {
