@@ -508,8 +508,8 @@ constexpr bool columns_rise_along_rows() {
 
 // How many of the kernel's clusters the device holds at once, for the persistent scheduler's grid;
 // 0 if unknown, where CUTLASS falls back to its own estimate. That estimate assumes GPCs of 18
-// SMs: for clusters of four on a 132-SM card it launches 116 CTAs, where the H200 measured holds
-// 120. CUTLASS's own query leaves out the kernel's shared memory, and so counts more than fit.
+// SMs: for clusters of four on a 132-SM card it launches 116 CTAs, where the H100 and H200 measured
+// hold 120. CUTLASS's own query leaves out the kernel's shared memory, and so counts more than fit.
 template <typename Kernel>
 int query_max_active_clusters() {
   const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
@@ -622,7 +622,7 @@ struct RowStatsGemm {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Clusters of 2 x 2 tiles halve the operand bytes a tile pulls through L2 against 2 x 1, but a GPC
-// holds fewer clusters of four: on the H200 measured, 30 (120 of its 132 SMs) against 66 of two.
+// holds fewer clusters of four: 30 (120 of 132 SMs) against 66 of two on the H100 and H200 measured.
 // So 2 x 2 pays where the 2 x 1 product is bound by L2 bandwidth, as on the H100 (ncu: 87% of L2
 // peak, 66% with 2 x 2; 0.5-1.1 ms off every mode), and not where the die's whole 60 MiB of L2 is
 // enabled, as on the H200 (2 x 2 there 0.7-1.6 ms slower in every mode). The L2's size tells them
