@@ -83,11 +83,13 @@ install_wheels() {
 FAILED=0
 if has_stage tests; then
   echo "== tests (the CUDA instances of every suite, then the GPU-only suite)"
+  # The statistics product's own cases run after the loop, once in each cluster shape.
+  product_cases='*FromTheProduct*:*ClusterRows*:*FusedStep*:*ForwardOfManyTokens*:*RunsAreBitwiseIdentical*'
   for t in "$BUILD"/tests/test_*; do
     [ -x "$t" ] || continue
     name=$(basename "$t")
     filter='*cuda*:*Cuda*'
-    [ "$name" = test_cuda ] && filter='*'
+    [ "$name" = test_cuda ] && filter="*-$product_cases"
     run timeout 400 "$t" --gtest_filter="$filter" --gtest_brief=1 > "$OUT/$name.log" 2>&1
     rc=$?
     passed=$(grep -c '^\[       OK \]' "$OUT/$name.log" || true)
@@ -96,12 +98,11 @@ if has_stage tests; then
     [ $rc -ne 0 ] && { FAILED=1; grep -E 'Failure|error|FAILED' "$OUT/$name.log" | head -20; }
   done
   # The statistics product's cluster shape is chosen per card (2 x 2 on an H100, 2 x 1 on an
-  # H200): its cases again with each shape forced, so that one card checks both.
+  # H200): its cases with each shape forced, so that one card checks both.
   if [ -x "$BUILD/tests/test_cuda" ]; then
     for clusters in 2x1 2x2; do
       LMLOSS_PRODUCT_CLUSTERS=$clusters run timeout 300 "$BUILD/tests/test_cuda" --gtest_brief=1 \
-        --gtest_filter='*FromTheProduct*:*ClusterRows*:*FusedStep*:*ForwardOfManyTokens*:*RunsAreBitwiseIdentical*' \
-        > "$OUT/test_cuda_clusters_$clusters.log" 2>&1
+        --gtest_filter="$product_cases" > "$OUT/test_cuda_clusters_$clusters.log" 2>&1
       rc=$?
       note "tests   test_cuda product cases in $clusters clusters rc=$rc $(grep -E '^\[  (PASSED|FAILED)' "$OUT/test_cuda_clusters_$clusters.log" | tr '\n' ' ')"
       [ $rc -ne 0 ] && FAILED=1
