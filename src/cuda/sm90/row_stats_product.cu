@@ -534,25 +534,21 @@ int query_max_active_clusters() {
   return clusters;
 }
 
-// The device's SMs and its room for the kernel's clusters, read once per device and kernel: every
-// call plans twice (checking, then running).
+// The device's room for the kernel's clusters, queried once per device and kernel: every call
+// plans twice (checking, then running). The SM count is left to CUTLASS, as before.
+constexpr int kDevices = 64;  // the devices whose properties are remembered; others are not
 template <typename Kernel>
 cutlass::KernelHardwareInfo hardware_info(int device) {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known_sms[kDevices], known_clusters[kDevices];  // 0 unknown
+  static std::atomic<int> known[kDevices];  // the count + 1; 0 not yet queried
   cutlass::KernelHardwareInfo info;
   info.device_id = device;
-  if (device < 0 || device >= kDevices) return info;  // CUTLASS queries the SMs itself
-  info.sm_count = known_sms[device].load(std::memory_order_relaxed);
-  info.max_active_clusters = known_clusters[device].load(std::memory_order_relaxed);
-  if (info.sm_count > 0) return info;
-  if (cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    return cutlass::KernelHardwareInfo{device, 0, 0};
+  if (device < 0 || device >= kDevices) return info;
+  int k = known[device].load(std::memory_order_relaxed);
+  if (k == 0) {
+    k = query_max_active_clusters<Kernel>() + 1;
+    known[device].store(k, std::memory_order_relaxed);
   }
-  info.max_active_clusters = query_max_active_clusters<Kernel>();
-  known_clusters[device].store(info.max_active_clusters, std::memory_order_relaxed);
-  known_sms[device].store(info.sm_count, std::memory_order_relaxed);
+  info.max_active_clusters = k - 1;
   return info;
 }
 
@@ -648,7 +644,6 @@ int clusters_from_environment() {  // 0 unset, 1 for 2 x 1, 2 for 2 x 2
 
 // Read once per device: every call plans twice (checking, then running).
 DeviceTraits device_traits(int device) {
-  constexpr int kDevices = 64;
   static std::atomic<int8_t> known[kDevices];  // 0 unknown, else 1 | sm90 << 1 | wide << 2
   if (device < 0 || device >= kDevices) return {};
   int8_t k = known[device].load(std::memory_order_relaxed);
