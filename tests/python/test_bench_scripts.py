@@ -49,7 +49,6 @@ def test_bench_script_parses(script):
     ast.parse((BENCH / script).read_text(), filename=script)
 
 
-
 def test_peers_clocks_count_only_the_timed_run(monkeypatch):
     """--clocks with --launch-ahead: the SM clock sampled while the sleep kernel queued ahead of a
     run is on the device is not that run's clock. A simulated device, a tick per poll: the sleep
