@@ -92,8 +92,7 @@ if has_stage tests; then
     [ "$name" = test_cuda ] && filter="*-$product_cases"
     run timeout 400 "$t" --gtest_filter="$filter" --gtest_brief=1 > "$OUT/$name.log" 2>&1
     rc=$?
-    passed=$(grep -c '^\[       OK \]' "$OUT/$name.log" || true)
-    summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$OUT/$name.log" | tr '\n' ' ')
+    summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$OUT/$name.log" | tr '\n' ' ')
     note "tests   $name rc=$rc $summary"
     [ $rc -ne 0 ] && { FAILED=1; grep -E 'Failure|error|FAILED' "$OUT/$name.log" | head -20; }
   done
