@@ -21,7 +21,11 @@ in a training loop, where the host runs ahead, and the events time the GPU's wor
 it they time that host work too. With --clocks the SM clock is sampled (NVML) while each timed
 run is on the device: each row gets the median clock of its runs and of its floor's, and how many
 runs the power limit or heat held back, as `bench_cuda_modes --clocks 1` gives them (a card at
-its power limit runs a step at the clock its energy allows). Prints a table and writes JSON.
+its power limit runs a step at the clock its energy allows). With --data peaked the inputs are
+shaped like a trained head's (a few plausible tokens a row, common ones in many rows) instead of
+random (flat softmaxes): CCE's time depends on it, through the gradient blocks it filters; the
+other methods' cross-entropy steps do not.
+Prints a table and writes JSON.
 
   python3 bench/peers.py --presets llama3-8b,gemma2-2b --json peers.json
 """
@@ -147,14 +151,45 @@ def sleep_cycles(ms):
     return int(probe * ms / start.elapsed_time(stop))
 
 
-def make_inputs(n, h, v, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, h, device="cuda", dtype=dtype, generator=g)
-    w = torch.randn(v, h, device="cuda", dtype=dtype, generator=g) * (2.0 / math.sqrt(h))
-    y = torch.randint(0, v, (n,), device="cuda", generator=g)
-    base = torch.randint(0, v, (n, 1), device="cuda", generator=g)
-    ids = (base + 7919 * torch.arange(64, device="cuda")) % v  # distinct per row
-    p = torch.rand(n, 64, device="cuda", generator=g) + 1e-3
+# --data peaked: each row lifts this many plausible tokens, drawn from a Zipf law of this exponent
+# over the vocabulary (low ids common), this far above the rest of its logits (std ~2).
+PLAUSIBLE_TOKENS = 16
+ZIPF_EXPONENT = 1.1
+PLAUSIBLE_LIFT = 18.0
+
+
+def make_inputs(n, h, v, dtype, seed=0, data="random", device="cuda"):
+    """Hidden states, head, labels, and a teacher's ids and probabilities. "random": logits of
+    std ~2 around 0 and uniform labels, every softmax nearly flat. "peaked": shaped like a trained
+    head's, where most of a row's probability lies on a few tokens and common tokens are plausible
+    in many rows (the sparsity Cut Cross-Entropy's gradient filtering lives on); the label is one
+    of the row's plausible tokens, drawn from the row's softmax over them."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    if data == "random":
+        x = torch.randn(n, h, device=device, dtype=dtype, generator=g)
+        w = torch.randn(v, h, device=device, dtype=dtype, generator=g) * (2.0 / math.sqrt(h))
+        y = torch.randint(0, v, (n,), device=device, generator=g)
+    elif data == "peaked":
+        x = torch.randn(n, h, device=device, generator=g)
+        w = torch.randn(v, h, device=device, generator=g) * (2.0 / math.sqrt(h))
+        zipf = torch.arange(1, v + 1, device=device, dtype=torch.float64).pow(-ZIPF_EXPONENT)
+        plausible = torch.multinomial(zipf, n * PLAUSIBLE_TOKENS, replacement=True, generator=g)
+        plausible = plausible.view(n, PLAUSIBLE_TOKENS).sort(1).values
+        lift = PLAUSIBLE_LIFT + 1.5 * torch.randn(n, PLAUSIBLE_TOKENS, device=device, generator=g)
+        lift[:, 1:] *= plausible[:, 1:] != plausible[:, :-1]  # a token drawn twice rises once
+        # x . w_t rises by about the lift: W's rows are nearly orthogonal.
+        for k in range(PLAUSIBLE_TOKENS):
+            w_t = w[plausible[:, k]]
+            x += (lift[:, k] / w_t.pow(2).sum(1))[:, None] * w_t
+        # The label drawn from the row's own softmax, as from a calibrated model's.
+        pick = torch.multinomial(torch.softmax(lift, 1), 1, generator=g)
+        y = plausible.gather(1, pick).view(n)
+        x, w = x.to(dtype), w.to(dtype)
+    else:
+        raise ValueError(f"unknown data {data!r}: random or peaked")
+    base = torch.randint(0, v, (n, 1), device=device, generator=g)
+    ids = (base + 7919 * torch.arange(64, device=device)) % v  # distinct per row
+    p = torch.rand(n, 64, device=device, generator=g) + 1e-3
     p = p / p.sum(1, keepdim=True)
     return x, w, y, ids, p
 
@@ -358,6 +393,8 @@ def main():
                          "host runs ahead: the time is then the GPU's alone")
     ap.add_argument("--clocks", action="store_true",
                     help="sample the SM clock (NVML) while each timed run is on the device")
+    ap.add_argument("--data", choices=("random", "peaked"), default="random",
+                    help="the inputs: random (flat softmaxes) or peaked like a trained head's")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     dev = torch.cuda.get_device_name()
@@ -370,15 +407,15 @@ def main():
             print("# --clocks: NVML did not answer; no clocks", file=sys.stderr)
             _clock_probe = None
     ahead = f", launched {args.launch_ahead:g} ms ahead" if args.launch_ahead > 0 else ""
-    print(f"# {dev}, torch {torch.__version__}, bf16, median of {args.repeats}, L2 flushed, "
-          f"CUDA events{ahead}")
+    print(f"# {dev}, torch {torch.__version__}, bf16, {args.data} data, median of {args.repeats}, "
+          f"L2 flushed, CUDA events{ahead}")
     rows = []
     keep = set(filter(None, args.methods.split(",")))
     for preset in args.presets.split(","):
         n, h, v = PRESETS[preset]
         n, h, v = args.tokens or n, args.hidden or h, args.vocab or v
         print(f"# {preset}: N {n} H {h} V {v}", flush=True)
-        x, w, y, ids, p = make_inputs(n, h, v, torch.bfloat16)
+        x, w, y, ids, p = make_inputs(n, h, v, torch.bfloat16, data=args.data)
         for mode in args.modes.split(","):
             want_dx, want_dw, count = MODES[mode]
             if args.profile:
@@ -411,9 +448,10 @@ def main():
                     except Exception as e:  # noqa: BLE001 - a peer failing is a row, not a crash
                         print(f"# {preset} {mode} {name}: failed: {e}", file=sys.stderr)
                         continue
-                    row = dict(preset=preset, tokens=n, hidden=h, vocab=v, mode=mode, method=name, ms=ms,
-                               floor_ms=floor_ms, ratio=ms / floor_ms, peak_gib=peak / 2**30,
-                               dx_rel_err_vs_naive=err, round=round_index, wall_s=time.time() - t0)
+                    row = dict(preset=preset, tokens=n, hidden=h, vocab=v, data=args.data, mode=mode,
+                               method=name, ms=ms, floor_ms=floor_ms, ratio=ms / floor_ms,
+                               peak_gib=peak / 2**30, dx_rel_err_vs_naive=err, round=round_index,
+                               wall_s=time.time() - t0)
                     if err64 is not None:
                         row.update(loss_rel_err_f64=err64[0], dx_rel_err_f64=err64[1],
                                    dw_rel_err_f64=err64[2])

@@ -3,6 +3,7 @@ docs/contract.md, checked on a small problem and against the CPU library; the GP
 so that a syntax error shows here rather than on a borrowed GPU."""
 
 import ast
+import math
 import pathlib
 import sys
 
@@ -95,3 +96,34 @@ def test_peers_clocks_count_only_the_timed_run(monkeypatch):
     ms, peak, clocks = peers.timed(lambda: None, repeats=3)
     assert (ms, peak) == (1.0, 0)
     assert clocks == (1500, 3)
+
+
+@pytest.mark.parametrize("data", ["random", "peaked"])
+def test_peers_inputs_shape_the_softmax_as_named(data):
+    """peers.py --data: "random" gives flat softmaxes (a row's largest probability ~2%, the loss
+    above log V), "peaked" a trained head's (most of a row on a few tokens, the label among them:
+    the loss a few nats); the distillation targets are the same either way."""
+    torch = pytest.importorskip("torch")
+    import peers
+
+    n, h, v = 256, 2048, 8000
+    x, w, y, ids, p = peers.make_inputs(n, h, v, torch.bfloat16, data=data, device="cpu")
+    assert x.shape == (n, h) and w.shape == (v, h) and x.dtype == w.dtype == torch.bfloat16
+    assert y.shape == (n,) and int(y.min()) >= 0 and int(y.max()) < v
+    z = x.float() @ w.float().T
+    loss = (torch.logsumexp(z, 1) - z.gather(1, y[:, None]).squeeze(1)).mean().item()
+    top = torch.softmax(z, 1).amax(1).mean().item()
+    if data == "random":
+        assert loss > math.log(v) and top < 0.05, (loss, top)
+    else:
+        assert loss < 0.5 * math.log(v) and top > 0.3, (loss, top)
+    assert ids.shape == p.shape == (n, 64)
+    torch.testing.assert_close(p.sum(1), torch.ones(n))
+
+
+def test_peers_inputs_refuse_an_unknown_kind():
+    torch = pytest.importorskip("torch")
+    import peers
+
+    with pytest.raises(ValueError, match="random or peaked"):
+        peers.make_inputs(4, 8, 16, torch.bfloat16, data="trained", device="cpu")
