@@ -24,8 +24,8 @@ runs the power limit or heat held back, as `bench_cuda_modes --clocks 1` gives t
 its power limit runs a step at the clock its energy allows). With --data peaked the inputs are
 shaped like a trained head's (a few plausible tokens a row, common ones in many rows) instead of
 random (flat softmaxes): CCE's time depends on it, through the gradient blocks it filters; the
-other methods' cross-entropy steps do not.
-Prints a table and writes JSON.
+other methods' cross-entropy steps do not. --lmloss-budget-gib sets lmloss's workspace budget
+(fewer, larger token chunks at a larger one). Prints a table and writes JSON.
 
   python3 bench/peers.py --presets llama3-8b,gemma2-2b --json peers.json
 """
@@ -395,6 +395,8 @@ def main():
                     help="sample the SM clock (NVML) while each timed run is on the device")
     ap.add_argument("--data", choices=("random", "peaked"), default="random",
                     help="the inputs: random (flat softmaxes) or peaked like a trained head's")
+    ap.add_argument("--lmloss-budget-gib", type=float, default=0.0, metavar="GIB",
+                    help="lmloss's workspace budget (lmloss.set_workspace_budget); 0: its default")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     dev = torch.cuda.get_device_name()
@@ -406,9 +408,16 @@ def main():
         if not _clock_probe.ok:
             print("# --clocks: NVML did not answer; no clocks", file=sys.stderr)
             _clock_probe = None
+    if args.lmloss_budget_gib > 0:
+        try:
+            import lmloss
+            lmloss.set_workspace_budget(int(args.lmloss_budget_gib * 2**30))
+        except ImportError as e:
+            print(f"# --lmloss-budget-gib: lmloss not available: {e}", file=sys.stderr)
     ahead = f", launched {args.launch_ahead:g} ms ahead" if args.launch_ahead > 0 else ""
+    budget = f", lmloss budget {args.lmloss_budget_gib:g} GiB" if args.lmloss_budget_gib > 0 else ""
     print(f"# {dev}, torch {torch.__version__}, bf16, {args.data} data, median of {args.repeats}, "
-          f"L2 flushed, CUDA events{ahead}")
+          f"L2 flushed, CUDA events{ahead}{budget}")
     rows = []
     keep = set(filter(None, args.methods.split(",")))
     for preset in args.presets.split(","):
@@ -449,7 +458,8 @@ def main():
                         print(f"# {preset} {mode} {name}: failed: {e}", file=sys.stderr)
                         continue
                     row = dict(preset=preset, tokens=n, hidden=h, vocab=v, data=args.data, mode=mode,
-                               method=name, ms=ms, floor_ms=floor_ms, ratio=ms / floor_ms,
+                               lmloss_budget_gib=args.lmloss_budget_gib or None, method=name, ms=ms,
+                               floor_ms=floor_ms, ratio=ms / floor_ms,
                                peak_gib=peak / 2**30, dx_rel_err_vs_naive=err, round=round_index,
                                wall_s=time.time() - t0)
                     if err64 is not None:
