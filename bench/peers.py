@@ -507,7 +507,8 @@ def main():
                 errs = dict(dw_f32_rel_err_f64=err, dw_bf16_once_rel_err_f64=relative_error(once, ref64[2]),
                             dw_bf16_per_chunk_rel_err_f64=relative_error(per_chunk, ref64[2]))
                 del once, per_chunk
-                rows.append(dict(preset=preset, tokens=n, mode=mode, method="lmloss", **errs))
+                rows.append(dict(preset=preset, tokens=n, hidden=h, vocab=v, data=args.data, mode=mode,
+                                 method="lmloss", **errs))
                 print(f"{preset:10s} N {n:6d} {mode:9s} lmloss: dW vs f64 accumulated in float32 "
                       f"{err:.1e}; bf16 rounded once {errs['dw_bf16_once_rel_err_f64']:.1e}, "
                       f"rounded per chunk {errs['dw_bf16_per_chunk_rel_err_f64']:.1e}", flush=True)
