@@ -557,12 +557,15 @@ def topk_logits(logits, k, *, softcap=None, temperature=1.0, renormalize=True) -
     return _topk(dict(logits=z.rows()), z, z.shape[-1], k, softcap, temperature, renormalize)
 
 
-# ---- Settings of the calling thread ----------------------------------------------------------
+# ---- Settings ----------------------------------------------------------------------------------
+# Each holds for the calling thread and for every thread that has made no setting of that kind
+# itself, so PyTorch's autograd threads (where backward runs for CUDA tensors) follow the training
+# thread; a thread that sets its own keeps it.
 
 
 def set_workspace_budget(nbytes: int) -> None:
-    """Bounds the library's own working memory (logits chunks, scratch) for calls from this
-    thread, on every device. Default 1 GiB."""
+    """Bounds the library's own working memory (logits chunks, scratch) on every device, for this
+    thread and the threads that set none (see above). Default 1 GiB."""
     try:
         _lmloss.set_workspace_budget(_integer(nbytes, "nbytes"))
     except _lmloss.Error as e:
@@ -586,14 +589,14 @@ def set_product_tuning(enabled: bool) -> None:
     """CUDA: time cuBLASLt's candidate algorithms for each product shape on its first call and
     keep the fastest (off by default). That first call synchronises the device and costs up to
     ~30 times the product; later calls are as fast as the choice. Results stay bitwise the same
-    from call to call of this thread, but another process may choose, and round, differently."""
+    from call to call of a thread, but another process may choose, and round, differently."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
     _lmloss.set_product_tuning(enabled)
 
 
 def set_num_threads(num_threads: int) -> None:
-    """CPU threads for this thread's calls; 0: all cores."""
+    """CPU threads for the calls of this thread and of the threads that set none; 0: all cores."""
     try:
         _lmloss.set_num_threads(_integer(num_threads, "num_threads"))
     except _lmloss.Error as e:

@@ -8,16 +8,20 @@
 // in the caller's kind of array; this file only describes, dispatches and reports.
 //
 // One lmloss context per thread and device, cached here: a context is not thread-safe, and the
-// CUDA backend keeps per-device state in it. On CUDA the Python layer passes the stream to run on
-// (PyTorch's current one) and, when PyTorch is loaded, callbacks into its caching allocator for
-// the workspace.
+// CUDA backend keeps per-device state in it. Its settings (budget, CPU threads, product tuning)
+// are the thread's own where it made them, else the latest made on any thread. On CUDA the
+// Python layer passes the stream to run on (PyTorch's current one) and, when PyTorch is loaded,
+// callbacks into its caching allocator for the workspace.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 
 #include "lmloss/lmloss.hpp"
@@ -197,11 +201,36 @@ struct DeviceContext {
   lmloss::Context context;
 };
 
+// The settings of a thread: the workspace budget (0: the library's default), CPU threads (-1:
+// the library's default) and product tuning.
+struct Settings {
+  size_t workspace_budget = 0;
+  int num_threads = -1;
+  bool tune_products = false;
+};
+
+// A setting made on any thread is also the setting of every thread that has made none of that
+// kind itself: PyTorch runs backward for CUDA tensors on threads of its own, and they should
+// follow what the training thread set. Each change bumps the generation, which a thread compares
+// on each call before it takes a context.
+struct ProcessSettings {
+  std::mutex mutex;
+  Settings settings;
+  std::atomic<uint64_t> generation{0};
+};
+
+ProcessSettings& process_settings() {
+  static ProcessSettings shared;
+  return shared;
+}
+
 struct ThreadState {
   std::map<int, std::unique_ptr<DeviceContext>> contexts;  // key: -1 for the CPU, else the ordinal
-  size_t workspace_budget = 0;                             // 0: the library's default
-  int num_threads = -1;                                    // -1: the library's default
-  bool tune_products = false;
+  Settings settings;                                       // in effect on this thread's contexts
+  std::optional<size_t> own_workspace_budget;              // what this thread set itself
+  std::optional<int> own_num_threads;
+  std::optional<bool> own_tune_products;
+  uint64_t generation = ~uint64_t(0);                      // of the process settings applied
 
   // A thread's contexts go with it (the main thread's are released at the interpreter's exit,
   // by the package). Once the interpreter has finalized the process is exiting, and they are
@@ -214,13 +243,37 @@ struct ThreadState {
     for (auto& [key, dc] : contexts) static_cast<void>(dc.release());
   }
 
+  // Brings the settings in effect up to date: this thread's own where it made them, the process's
+  // latest otherwise.
+  void refresh() {
+    ProcessSettings& shared = process_settings();
+    if (shared.generation.load(std::memory_order_acquire) == generation) return;
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    generation = shared.generation.load(std::memory_order_relaxed);
+    Settings next;
+    next.workspace_budget = own_workspace_budget.value_or(shared.settings.workspace_budget);
+    next.num_threads = own_num_threads.value_or(shared.settings.num_threads);
+    next.tune_products = own_tune_products.value_or(shared.settings.tune_products);
+    for (auto& [key, dc] : contexts) apply(dc->context, next, &settings);
+    settings = next;
+  }
+
+  // `to` on a context whose settings are `from` (null: a new context, at the library's defaults).
+  static void apply(lmloss::Context& context, const Settings& to, const Settings* from) {
+    const Settings defaults;
+    if (!from) from = &defaults;
+    if (to.workspace_budget != from->workspace_budget)
+      context.set_workspace_budget(to.workspace_budget ? to.workspace_budget : LMLOSS_DEFAULT_WORKSPACE_BYTES);
+    if (to.num_threads != from->num_threads) context.set_num_threads(to.num_threads >= 0 ? to.num_threads : 0);
+    if (to.tune_products != from->tune_products) context.set_product_tuning(to.tune_products);
+  }
+
   DeviceContext& get(int key) {
+    refresh();
     auto& slot = contexts[key];
     if (!slot) {
       slot = std::make_unique<DeviceContext>();
-      if (workspace_budget) slot->context.set_workspace_budget(workspace_budget);
-      if (num_threads >= 0) slot->context.set_num_threads(num_threads);
-      if (tune_products) slot->context.set_product_tuning(true);
+      apply(slot->context, settings, nullptr);
     }
     return *slot;
   }
@@ -229,6 +282,19 @@ struct ThreadState {
 ThreadState& thread_state() {
   thread_local ThreadState state;
   return state;
+}
+
+// A setting made on the calling thread: the process's too, for the threads that make none; the
+// calling thread's contexts take it now, the others' at their next call.
+template <typename Edit>
+void change_settings(Edit&& edit) {
+  ProcessSettings& shared = process_settings();
+  {
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    edit(shared.settings);
+    shared.generation.fetch_add(1, std::memory_order_release);
+  }
+  thread_state().refresh();
 }
 
 int device_key(const lmloss::Tensor& t) {
@@ -417,9 +483,8 @@ NB_MODULE(_lmloss, m) {
 
   m.def("set_workspace_budget", [](size_t bytes) {
     if (bytes == 0) raise(LMLOSS_ERROR_INVALID_ARGUMENT, "bytes: the workspace budget must be positive");
-    ThreadState& state = thread_state();
-    for (auto& [key, dc] : state.contexts) dc->context.set_workspace_budget(bytes);
-    state.workspace_budget = bytes;
+    thread_state().own_workspace_budget = bytes;
+    change_settings([&](Settings& s) { s.workspace_budget = bytes; });
   }, nb::arg("bytes"));
   m.def("workspace_budget", []() {
     return thread_state().get(-1).context.workspace_budget();
@@ -430,14 +495,12 @@ NB_MODULE(_lmloss, m) {
         nb::arg("device") = -1);
   m.def("set_num_threads", [](int n) {
     if (n < 0) raise(LMLOSS_ERROR_INVALID_ARGUMENT, "num_threads: must be >= 0 (0: all cores)");
-    ThreadState& state = thread_state();
-    for (auto& [key, dc] : state.contexts) dc->context.set_num_threads(n);
-    state.num_threads = n;
+    thread_state().own_num_threads = n;
+    change_settings([&](Settings& s) { s.num_threads = n; });
   }, nb::arg("num_threads"));
   m.def("set_product_tuning", [](bool enabled) {
-    ThreadState& state = thread_state();
-    for (auto& [key, dc] : state.contexts) dc->context.set_product_tuning(enabled);
-    state.tune_products = enabled;
+    thread_state().own_tune_products = enabled;
+    change_settings([&](Settings& s) { s.tune_products = enabled; });
   }, nb::arg("enabled"));
   m.def("backend_available", [](const std::string& device) {
     if (device == "cpu") return lmloss::backend_available(LMLOSS_DEVICE_CPU);

@@ -674,11 +674,50 @@ def _in_a_fresh_thread(fn):
     return out
 
 
-def test_budget_set_before_a_threads_first_call_holds():
+@pytest.fixture
+def settings_restored():
+    """A setting made on any thread holds on every thread that made none: set the defaults back."""
+    yield
+    lmloss.set_workspace_budget(1 << 30)
+    lmloss.set_num_threads(0)
+    lmloss.set_product_tuning(False)
+
+
+def test_budget_set_before_a_threads_first_call_holds(settings_restored):
     def set_then_read():
         lmloss.set_workspace_budget(1 << 20)
         return lmloss.workspace_budget()
     assert _in_a_fresh_thread(set_then_read) == {"value": 1 << 20}
+
+
+def test_a_setting_holds_on_the_threads_that_made_none(settings_restored):
+    """PyTorch runs backward for CUDA tensors on threads of its own: what the training thread
+    set holds there too, on a thread that already has a context as on a new one. A thread's own
+    setting stays its own."""
+    lmloss.set_workspace_budget(3 << 20)
+    assert _in_a_fresh_thread(lmloss.workspace_budget) == {"value": 3 << 20}
+    ready, changed = threading.Barrier(3), threading.Event()
+    seen = {}
+
+    def worker(own):
+        if own:
+            lmloss.set_workspace_budget(2 << 20)
+        seen[own, "before"] = lmloss.workspace_budget()  # its context made
+        ready.wait()
+        changed.wait()
+        seen[own, "after"] = lmloss.workspace_budget()
+
+    threads = [threading.Thread(target=worker, args=(own,)) for own in (False, True)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    lmloss.set_workspace_budget(5 << 20)
+    changed.set()
+    for t in threads:
+        t.join()
+    assert seen[True, "before"] == seen[True, "after"] == 2 << 20
+    assert seen[False, "after"] == 5 << 20
+    assert lmloss.workspace_budget() == 5 << 20
 
 
 @pytest.mark.parametrize("call,name", [(lambda: lmloss.set_workspace_budget(0), "bytes"),

@@ -569,6 +569,37 @@ def test_cuda_runs_on_the_current_stream_without_host_sync():
     lmloss.synchronize()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_backward_on_another_thread_keeps_the_budget_set_for_the_step(device):
+    """PyTorch runs backward for CUDA tensors on a thread of its own, where reduction "none" forms
+    the logits again: the budget set on the training thread bounds it there too. On the CPU,
+    backward called from a fresh thread stands in for that thread."""
+    x, w, b, y = linear_inputs(dtype=torch.float32, device=device, batch=(256,), v=4000, h=64)
+    budget = 256 << 10  # a sixteenth of the f32 logits
+    index = -1 if device == "cpu" else torch.cuda.current_device()
+    seen = {}
+    lmloss.set_workspace_budget(budget)
+    try:
+        loss = lt.linear_cross_entropy(x, w, y, bias=b, reduction="none")
+
+        def backward():
+            lmloss.reset_peak_workspace(index)
+            loss.sum().backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seen["budget"] = lmloss.workspace_budget()
+            seen["peak"] = lmloss.peak_workspace(index)
+
+        t = threading.Thread(target=backward)
+        t.start()
+        t.join()
+    finally:
+        lmloss.set_workspace_budget(1 << 30)
+    assert seen["budget"] == budget
+    assert 0 < seen["peak"] <= budget, seen
+    assert x.grad is not None and w.grad is not None
+
+
 @needs_cuda
 def test_cuda_workspace_comes_from_torch_allocator():
     x, w, b, y = linear_inputs(dtype=torch.float32, device="cuda", batch=(256, 16), v=50257, h=128)
