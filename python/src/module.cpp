@@ -244,18 +244,19 @@ struct ThreadState {
   }
 
   // Brings the settings in effect up to date: this thread's own where it made them, the process's
-  // latest otherwise.
+  // latest otherwise. The generation is taken last, so that a context that refused a setting is
+  // asked again at the next call.
   void refresh() {
     ProcessSettings& shared = process_settings();
     if (shared.generation.load(std::memory_order_acquire) == generation) return;
     std::lock_guard<std::mutex> lock(shared.mutex);
-    generation = shared.generation.load(std::memory_order_relaxed);
     Settings next;
     next.workspace_budget = own_workspace_budget.value_or(shared.settings.workspace_budget);
     next.num_threads = own_num_threads.value_or(shared.settings.num_threads);
     next.tune_products = own_tune_products.value_or(shared.settings.tune_products);
     for (auto& [key, dc] : contexts) apply(dc->context, next, &settings);
     settings = next;
+    generation = shared.generation.load(std::memory_order_relaxed);
   }
 
   // `to` on a context whose settings are `from` (null: a new context, at the library's defaults).
