@@ -81,6 +81,9 @@ install_wheels() {
   fi
 }
 
+# A GoogleTest log's closing counts on one line (PASSED is padded to the brackets' width).
+gtest_summary() { grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$1" | tr '\n' ' '; }
+
 FAILED=0
 if has_stage tests; then
   echo "== tests (the CUDA instances of every suite, then the GPU-only suite)"
@@ -93,8 +96,7 @@ if has_stage tests; then
     [ "$name" = test_cuda ] && filter="*-$product_cases"
     run timeout 400 "$t" --gtest_filter="$filter" --gtest_brief=1 > "$OUT/$name.log" 2>&1
     rc=$?
-    summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$OUT/$name.log" | tr '\n' ' ')
-    note "tests   $name rc=$rc $summary"
+    note "tests   $name rc=$rc $(gtest_summary "$OUT/$name.log")"
     [ $rc -ne 0 ] && { FAILED=1; grep -E 'Failure|error|FAILED' "$OUT/$name.log" | head -20; }
   done
   # The statistics product's cluster shape is chosen per card (2 x 2 on an H100, 2 x 1 on an
@@ -104,7 +106,7 @@ if has_stage tests; then
       LMLOSS_PRODUCT_CLUSTERS=$clusters run timeout 300 "$BUILD/tests/test_cuda" --gtest_brief=1 \
         --gtest_filter="$product_cases" > "$OUT/test_cuda_clusters_$clusters.log" 2>&1
       rc=$?
-      note "tests   test_cuda product cases in $clusters clusters rc=$rc $(grep -E '^\[  (PASSED|FAILED)' "$OUT/test_cuda_clusters_$clusters.log" | tr '\n' ' ')"
+      note "tests   test_cuda product cases in $clusters clusters rc=$rc $(gtest_summary "$OUT/test_cuda_clusters_$clusters.log")"
       [ $rc -ne 0 ] && FAILED=1
     done
   fi
