@@ -535,20 +535,22 @@ int query_max_active_clusters() {
 }
 
 // The device's room for the kernel's clusters, queried once per device and kernel: every call
-// plans twice (checking, then running). The SM count is left to CUTLASS, as before.
+// plans twice (checking, then running). The SM count is left to CUTLASS, as before. A failed query
+// is not remembered (as in device_traits): CUTLASS estimates the room for that call, and the next
+// asks again.
 constexpr int kDevices = 64;  // the devices whose properties are remembered; others are not
 template <typename Kernel>
 cutlass::KernelHardwareInfo hardware_info(int device) {
-  static std::atomic<int> known[kDevices];  // the count + 1; 0 not yet queried
+  static std::atomic<int> known[kDevices];  // the count; 0 not yet known
   cutlass::KernelHardwareInfo info;
   info.device_id = device;
   if (device < 0 || device >= kDevices) return info;
-  int k = known[device].load(std::memory_order_relaxed);
-  if (k == 0) {
-    k = query_max_active_clusters<Kernel>() + 1;
-    known[device].store(k, std::memory_order_relaxed);
+  int clusters = known[device].load(std::memory_order_relaxed);
+  if (clusters == 0) {
+    clusters = query_max_active_clusters<Kernel>();  // 0 where the query failed
+    if (clusters > 0) known[device].store(clusters, std::memory_order_relaxed);
   }
-  info.max_active_clusters = k - 1;
+  info.max_active_clusters = clusters;
   return info;
 }
 
