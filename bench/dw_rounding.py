@@ -14,6 +14,19 @@ Each element's error depends on its own sum, not on H, so a small H stands for a
 With --library (needs lmloss and PyTorch) the same data also goes through the CPU library once a
 chunk, adding into a bf16 dW (LMLOSS_ACCUMULATE_GRAD_WEIGHT; each call rounds its f32 sum once):
 the library's own arithmetic, rounded per chunk as CUDA does within one call.
+
+--forms emulates instead a dW accumulated in f32 (no rounding of the sum) on CUDA's two forms of
+the bf16 gradient, each rounding alone and together, on bench/peers.py's inputs (needs PyTorch):
+
+    python3 bench/dw_rounding.py --forms --data peaked --tokens 2048 --vocab 32768 --hidden 1024
+
+  gradient form   softmax - one-hot rounded to bf16 (the row kernel's dZ), the label's term too
+  exp(s - s_y)    the statistics product's stored bf16 values E, then the one-hot term exactly
+  f X             each row of X times its factor exp(s_y - lse) / N, rounded to bf16 for dW
+  both            the exponential form as run: E and f X both rounded
+  f16 gradient    the gradient form in f16: what three more bits would give
+Logits are float32 sums as the products leave them. "peaked" needs an H of ~1000 for its lifted
+tokens to stand apart (W's rows nearly orthogonal); "random" is the benchmarks' flat softmax.
 """
 
 import argparse
@@ -87,6 +100,38 @@ def library_per_chunk(n, v, h, chunk_rows, seed=0):
     return dw.float().numpy()
 
 
+def emulate_forms(n, v, h, data, seed=0, block_rows=512):
+    """Relative errors against float64 of a dW accumulated in f32 from each form's roundings."""
+    import torch
+    import peers
+    x, w, y, _, _ = peers.make_inputs(n, h, v, torch.bfloat16, seed=seed, data=data, device="cpu")
+    x, w, y = x.float().numpy(), w.float().numpy(), y.numpy()
+    names = ("gradient form", "exp(s - s_y)", "f X", "both", "f16 gradient")
+    sums = {k: np.zeros((v, h)) for k in ("exact",) + names}
+    for r0 in range(0, n, block_rows):
+        xc, yc = x[r0:r0 + block_rows], y[r0:r0 + block_rows]
+        rows = np.arange(len(yc))
+        x64 = xc.astype(np.float64)
+        s = (xc @ w.T).astype(np.float64)  # float32 sums, as the products leave them
+        lse = s.max(axis=1, keepdims=True)
+        lse += np.log(np.exp(s - lse).sum(axis=1, keepdims=True))
+        p = np.exp(s - lse)
+        grad = p.copy()
+        grad[rows, yc] -= 1.0
+        one_hot = np.zeros((v, h))
+        np.add.at(one_hot, yc, -x64 / n)
+        stored = np.exp(s - s[rows, yc][:, None])  # exp(s - s_y): 1 at the label
+        factor = np.exp(s[rows, yc][:, None] - lse) / n
+        stored16, fx16 = bf16(stored).astype(np.float64), bf16(factor * x64).astype(np.float64)
+        sums["exact"] += grad.T @ x64 / n
+        sums["gradient form"] += bf16(grad).astype(np.float64).T @ x64 / n
+        sums["exp(s - s_y)"] += stored16.T @ (factor * x64) + one_hot
+        sums["f X"] += stored.T @ fx16 + one_hot
+        sums["both"] += stored16.T @ fx16 + one_hot
+        sums["f16 gradient"] += grad.astype(np.float16).astype(np.float64).T @ x64 / n
+    return {k: relative_error(sums[k], sums["exact"]) for k in names}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
@@ -94,8 +139,19 @@ def main():
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--chunk-rows", default="2816", help="comma list: one emulation each")
     ap.add_argument("--library", action="store_true", help="also the CPU library, called once a chunk")
+    ap.add_argument("--forms", action="store_true",
+                    help="an f32 dW on CUDA's two gradient forms instead")
+    ap.add_argument("--data", default="random",
+                    help="with --forms: random or peaked (bench/peers.py's)")
     args = ap.parse_args()
     print("# relative error of dW against float64 (norm of the difference / norm)")
+    if args.forms:
+        t0 = time.time()
+        e = emulate_forms(args.tokens, args.vocab, args.hidden, args.data)
+        forms = "  ".join(f"{k} {e[k]:.2e}" for k in e)
+        print(f"N {args.tokens} V {args.vocab} H {args.hidden}, {args.data}, dW in f32, rounded: "
+              f"{forms}  ({time.time() - t0:.0f} s)", flush=True)
+        return
     for rows in map(int, args.chunk_rows.split(",")):
         t0 = time.time()
         e = emulate(args.tokens, args.vocab, args.hidden, rows)

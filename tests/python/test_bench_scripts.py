@@ -1,5 +1,5 @@
-"""The scripts in bench/ that run without a GPU: the bf16 rounding emulation behind the figures in
-docs/contract.md, checked on a small problem and against the CPU library; the GPU scripts parsed,
+"""The scripts in bench/ that run without a GPU: the bf16 rounding emulations behind the figures in
+docs/contract.md, checked on small problems and against the CPU library; the GPU scripts parsed,
 so that a syntax error shows here rather than on a borrowed GPU."""
 
 import ast
@@ -43,6 +43,19 @@ def test_emulation_matches_the_library_called_per_chunk():
     e = dw_rounding.emulate(2048, 1000, 16, 256)
     err = dw_rounding.relative_error(dw_rounding.library_per_chunk(2048, 1000, 16, 256), e["exact"])
     assert abs(err - e["per_chunk"]) <= 0.1 * e["per_chunk"], f"{err:.3g} against {e['per_chunk']:.3g}"
+
+
+def test_f32_sum_forms_emulation_orders_the_roundings():
+    """A dW summed in f32 from bf16 gradients, on peaked inputs: each of the exponential form's two
+    roundings alone leaves ~1e-3, both together more than either, an f16 gradient well under; on
+    the flat random inputs every form is far closer."""
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    peaked = dw_rounding.emulate_forms(256, 4000, 1024, "peaked")
+    flat = dw_rounding.emulate_forms(256, 4000, 1024, "random")
+    assert peaked["both"] > 1.1 * max(peaked["exp(s - s_y)"], peaked["f X"]), peaked
+    assert 5e-4 < peaked["gradient form"] < 3e-3, peaked
+    assert peaked["f16 gradient"] < 0.3 * peaked["gradient form"], peaked
+    assert flat["both"] < 0.3 * peaked["both"], (flat, peaked)
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
