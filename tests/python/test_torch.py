@@ -573,29 +573,36 @@ def test_cuda_runs_on_the_current_stream_without_host_sync():
 def test_backward_on_another_thread_keeps_the_budget_set_for_the_step(device):
     """PyTorch runs backward for CUDA tensors on a thread of its own, where reduction "none" forms
     the logits again: the budget set on the training thread bounds it there too. On the CPU,
-    backward called from a fresh thread stands in for that thread."""
+    backward called from a fresh thread stands in for that thread. The budget and the peak are
+    read by hooks, which run on the thread that runs lmloss's backward: the loss's before it,
+    the hidden states' after."""
     x, w, b, y = linear_inputs(dtype=torch.float32, device=device, batch=(256,), v=4000, h=64)
     budget = 256 << 10  # a sixteenth of the f32 logits
     index = -1 if device == "cpu" else torch.cuda.current_device()
     seen = {}
+
+    def before(grad):
+        seen["thread"] = threading.get_ident()
+        lmloss.reset_peak_workspace(index)
+        return grad
+
+    def after(grad):
+        seen["same thread"] = seen["thread"] == threading.get_ident()
+        seen["budget"] = lmloss.workspace_budget()
+        seen["peak"] = lmloss.peak_workspace(index)
+        return grad
+
     lmloss.set_workspace_budget(budget)
     try:
         loss = lt.linear_cross_entropy(x, w, y, bias=b, reduction="none")
-
-        def backward():
-            lmloss.reset_peak_workspace(index)
-            loss.sum().backward()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            seen["budget"] = lmloss.workspace_budget()
-            seen["peak"] = lmloss.peak_workspace(index)
-
-        t = threading.Thread(target=backward)
+        loss.register_hook(before)
+        x.register_hook(after)
+        t = threading.Thread(target=lambda: loss.sum().backward())
         t.start()
         t.join()
     finally:
         lmloss.set_workspace_budget(1 << 30)
-    assert seen["budget"] == budget
+    assert seen["same thread"] and seen["budget"] == budget, seen
     assert 0 < seen["peak"] <= budget, seen
     assert x.grad is not None and w.grad is not None
 
