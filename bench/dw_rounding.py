@@ -141,8 +141,8 @@ def main():
     ap.add_argument("--library", action="store_true", help="also the CPU library, called once a chunk")
     ap.add_argument("--forms", action="store_true",
                     help="an f32 dW on CUDA's two gradient forms instead")
-    ap.add_argument("--data", default="random",
-                    help="with --forms: random or peaked (bench/peers.py's)")
+    ap.add_argument("--data", choices=("random", "peaked"), default="random",
+                    help="with --forms: bench/peers.py's inputs of that kind")
     args = ap.parse_args()
     print("# relative error of dW against float64 (norm of the difference / norm)")
     if args.forms:
