@@ -21,11 +21,13 @@ in a training loop, where the host runs ahead, and the events time the GPU's wor
 it they time that host work too. With --clocks the SM clock is sampled (NVML) while each timed
 run is on the device: each row gets the median clock of its runs and of its floor's, and how many
 runs the power limit or heat held back, as `bench_cuda_modes --clocks 1` gives them (a card at
-its power limit runs a step at the clock its energy allows). With --data peaked the inputs are
-shaped like a trained head's (a few plausible tokens a row, common ones in many rows) instead of
-random (flat softmaxes): CCE's time depends on it, through the gradient blocks it filters; the
-other methods' cross-entropy steps do not. --lmloss-budget-gib sets lmloss's workspace budget
-(fewer, larger token chunks at a larger one). Prints a table and writes JSON.
+its power limit runs a step at the clock its energy allows), and where the driver counts energy,
+the joules of a run and the mean power over back-to-back runs of at least 2 s after the timed ones
+(the driver's power readings trail the load: a single run's says little). With --data peaked the
+inputs are shaped like a trained head's (a few plausible tokens a row, common ones in many rows)
+instead of random (flat softmaxes): CCE's time depends on it, through the gradient blocks it
+filters; the other methods' cross-entropy steps do not. --lmloss-budget-gib sets lmloss's
+workspace budget (fewer, larger token chunks at a larger one). Prints a table and writes JSON.
 
   python3 bench/peers.py --presets llama3-8b,gemma2-2b --json peers.json
 """
@@ -62,7 +64,8 @@ _clock_probe = None  # --clocks: a ClockProbe
 
 class ClockProbe:
     """The SM clock of the current CUDA device and whether the power limit or heat is holding it
-    back, from NVML (loaded at run time; `ok` is False where it does not answer)."""
+    back, and the energy it has spent, from NVML (loaded at run time; `ok` is False where it does
+    not answer)."""
 
     SM_CLOCK = 1  # NVML_CLOCK_SM
     # Software power cap, hardware slowdown, software and hardware thermal slowdown, power brake.
@@ -76,6 +79,7 @@ class ClockProbe:
             self._clock = nvml.nvmlDeviceGetClockInfo
             self._reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
                 nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+            self._energy = getattr(nvml, "nvmlDeviceGetTotalEnergyConsumption", None)
             by_bus = nvml.nvmlDeviceGetHandleByPciBusId_v2
             bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
         except (OSError, AttributeError):
@@ -83,6 +87,8 @@ class ClockProbe:
         self._clock.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint)]
         self._reasons.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
         by_bus.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+        if self._energy is not None:
+            self._energy.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong)]
         self._device = ctypes.c_void_p()
         self.ok = nvml.nvmlInit_v2() == 0 and by_bus(bus.encode(), ctypes.byref(self._device)) == 0
 
@@ -94,6 +100,13 @@ class ClockProbe:
             return None
         return mhz.value, bool(reasons.value & self.HELD_BACK)
 
+    def energy_mj(self):
+        """Millijoules the device has spent since the driver loaded, or None."""
+        mj = ctypes.c_ulonglong()
+        if self._energy is None or self._energy(self._device, ctypes.byref(mj)) != 0:
+            return None
+        return mj.value
+
 
 def flush_l2():
     global _flush
@@ -102,9 +115,35 @@ def flush_l2():
     _flush.zero_()
 
 
+STEADY_S = 2.0  # the least time of the back-to-back runs whose energy --clocks counts
+
+
+def steady_energy(fn, run_ms):
+    """(joules a run, mean watts) of fn() run back to back for at least STEADY_S, from the
+    driver's energy counter; None where it does not count."""
+    count = max(3, math.ceil(STEADY_S * 1000 / max(run_ms, 1e-3)))
+    torch.cuda.synchronize()
+    e0, t0 = _clock_probe.energy_mj(), time.perf_counter()
+    if e0 is None:
+        return None
+    for _ in range(count):
+        getattr(fn, "reset", lambda: None)()
+        fn()
+    torch.cuda.synchronize()
+    e1, t1 = _clock_probe.energy_mj(), time.perf_counter()
+    if e1 is None or t1 <= t0:
+        return None
+    return (e1 - e0) / 1000 / count, (e1 - e0) / 1000 / (t1 - t0)
+
+
+def energy_note(joules, watts):
+    return f", {joules:.2f} J at {watts:.0f} W" if joules is not None else ""
+
+
 def timed(fn, repeats):
     """Median ms and peak extra bytes of fn() over `repeats` runs after one warm-up, and with
-    --clocks (median MHz of the runs' medians, runs held back at some sample), else None."""
+    --clocks (median MHz of the runs' medians, runs held back at some sample, and the joules of a
+    run and mean watts of steady_energy, or None, None), else None."""
     fn()
     torch.cuda.synchronize()
     times, peak, run_mhz, held = [], 0, [], 0
@@ -135,7 +174,10 @@ def timed(fn, repeats):
             held += any(h for _, h in samples)
         del out
     times.sort()
-    clocks = (statistics.median(run_mhz), held) if run_mhz else None
+    clocks = None
+    if run_mhz:
+        clocks = (statistics.median(run_mhz), held,
+                  *(steady_energy(fn, times[len(times) // 2]) or (None, None)))
     return times[len(times) // 2], peak, clocks
 
 
@@ -467,12 +509,16 @@ def main():
                                    dw_rel_err_f64=err64[2])
                     clock_note = ""
                     if clocks and floor_clocks:
-                        (mhz, held), (floor_mhz, floor_held) = clocks, floor_clocks
+                        mhz, held, joules, watts = clocks
+                        floor_mhz, floor_held, floor_joules, floor_watts = floor_clocks
                         row.update(sm_mhz=mhz, held_runs=held, floor_sm_mhz=floor_mhz,
-                                   floor_held_runs=floor_held)
+                                   floor_held_runs=floor_held, joules=joules, watts=watts,
+                                   floor_joules=floor_joules, floor_watts=floor_watts)
                         r = args.repeats
                         clock_note = (f"  clock {mhz:.0f} MHz, held {held}/{r}"
-                                      f" (floor {floor_mhz:.0f} MHz, held {floor_held}/{r})")
+                                      f"{energy_note(joules, watts)}"
+                                      f" (floor {floor_mhz:.0f} MHz, held {floor_held}/{r}"
+                                      f"{energy_note(floor_joules, floor_watts)})")
                     rows.append(row)
                     print(f"{preset:10s} N {n:6d} {mode:9s} {name:14s} {ms:9.3f} ms  floor {floor_ms:8.3f}"
                           f"  x{ms / floor_ms:.3f}  peak {peak / 2**30:6.2f} GiB"

@@ -92,6 +92,9 @@ def test_peers_clocks_count_only_the_timed_run(monkeypatch):
             t = device["tick"]
             return (900, False) if t < 6 else (1500, t == 7)
 
+        def energy_mj(self):  # a driver that counts no energy
+            return None
+
     def next_run():
         device["tick"] = 0
 
@@ -108,7 +111,35 @@ def test_peers_clocks_count_only_the_timed_run(monkeypatch):
     monkeypatch.setattr(peers.time, "sleep", tick)
     ms, peak, clocks = peers.timed(lambda: None, repeats=3)
     assert (ms, peak) == (1.0, 0)
-    assert clocks == (1500, 3)
+    assert clocks == (1500, 3, None, None)
+
+
+def test_peers_energy_counts_back_to_back_runs(monkeypatch):
+    """--clocks' energy: the driver's counter over back-to-back runs of at least STEADY_S (each
+    run here 40 ms and 30 J on a simulated device, the gradients reset before each), divided by
+    their count; the power is its rate over the host's time."""
+    torch = pytest.importorskip("torch")
+    import peers
+
+    device = {"mj": 5000, "s": 100.0, "runs": 0, "resets": 0}
+
+    def run():
+        device["mj"] += 30_000
+        device["s"] += 0.040
+        device["runs"] += 1
+
+    run.reset = lambda: device.__setitem__("resets", device["resets"] + 1)
+
+    class Probe:
+        def energy_mj(self):
+            return device["mj"]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(peers, "_clock_probe", Probe())
+    monkeypatch.setattr(peers.time, "perf_counter", lambda: device["s"])
+    joules, watts = peers.steady_energy(run, run_ms=40.0)
+    assert device["runs"] == device["resets"] == 50  # 2 s of 40 ms runs
+    assert joules == pytest.approx(30.0) and watts == pytest.approx(750.0)
 
 
 @pytest.mark.parametrize("data", ["random", "peaked"])
