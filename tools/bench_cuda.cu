@@ -570,10 +570,10 @@ int current_device() {
   return device;
 }
 
-// The SM clock during a run, and whether the card's power limit (or heat) was holding it back,
-// from NVML where the driver has it: loaded at run time, so that the program builds and runs
-// without it. Under a long run of products an H200 sits at its power limit with its clock well
-// below its peak, and a step's time then follows the energy it spends (run 45).
+// The SM clock during a run, whether the card's power limit (or heat) was holding it back, and the
+// energy the card has spent, from NVML where the driver has it: loaded at run time, so that the
+// program builds and runs without it. Under a long run of products an H200 sits at its power limit
+// with its clock well below its peak, and a step's time then follows the energy it spends (run 45).
 class ClockProbe {
  public:
   struct Sample {
@@ -591,6 +591,7 @@ class ClockProbe {
     if (!reasons_)
       reasons_ = reinterpret_cast<int (*)(void*, unsigned long long*)>(
           dlsym(lib_, "nvmlDeviceGetCurrentClocksThrottleReasons"));
+    energy_ = reinterpret_cast<int (*)(void*, unsigned long long*)>(dlsym(lib_, "nvmlDeviceGetTotalEnergyConsumption"));
     char bus[32] = {};
     ok_ = init && by_bus && clock_ && reasons_ && init() == 0 &&
           cudaDeviceGetPCIBusId(bus, sizeof(bus), cuda_device) == cudaSuccess && by_bus(bus, &device_) == 0;
@@ -606,6 +607,8 @@ class ClockProbe {
     s.held = (reasons & kHeldBack) != 0;
     return s;
   }
+  // Millijoules spent since the driver loaded; false where the driver does not count them.
+  bool energy_mj(unsigned long long* mj) const { return ok_ && energy_ && energy_(device_, mj) == 0; }
 
  private:
   static constexpr int kSmClock = 1;  // NVML_CLOCK_SM
@@ -615,14 +618,17 @@ class ClockProbe {
   void* device_ = nullptr;
   int (*clock_)(void*, int, unsigned*) = nullptr;
   int (*reasons_)(void*, unsigned long long*) = nullptr;
+  int (*energy_)(void*, unsigned long long*) = nullptr;
   bool ok_ = false;
 };
 
-// The SM clock during a row's runs (the median of the runs' medians), and how many runs the power
-// limit or heat held back at some sample; the same for the floor's runs.
+// The SM clock during a row's runs (the median of the runs' medians), how many runs the power
+// limit or heat held back at some sample, and where the driver counts energy, the joules of a run
+// and the mean watts over back-to-back runs (ModesBench::steady_energy); the same for the floor's.
 struct Clocks {
   unsigned mhz = 0, floor_mhz = 0;
   int held = 0, floor_held = 0, runs = 0;
+  double joules = 0, watts = 0, floor_joules = 0, floor_watts = 0;  // 0: not counted
 };
 
 struct Row {
@@ -789,8 +795,33 @@ class ModesBench {
     clocks.runs = repeats_;
     clocks.mhz = unsigned(median(mhz));
     clocks.floor_mhz = floor_count > 0 ? unsigned(median(floor_mhz)) : 0;
+    if (clock_probe_ && clock_probe_->ok() && count_energy_) {
+      steady_energy(f, median(times), &clocks.joules, &clocks.watts);
+      if (floor_count > 0)
+        steady_energy([&] { run_floor(floor_count); }, median(floors), &clocks.floor_joules, &clocks.floor_watts);
+    }
     last_clocks_ = clock_probe_ && clock_probe_->ok() ? clocks : Clocks{};
     return median(times);
+  }
+  // The joules of a run of f and the mean watts, from the driver's energy counter over runs back
+  // to back (no flush between them) for at least kSteadyMs: its instantaneous power trails the
+  // load (a 4 ms product read 0.6 J where its like read 3 J, run 54), so that a single run's
+  // reading says little. Left as they are where the driver does not count energy.
+  template <typename F>
+  void steady_energy(F&& f, double run_ms, double* joules, double* watts) {
+    constexpr double kSteadyMs = 2000;
+    const int count = std::max(3, int(std::ceil(kSteadyMs / std::max(run_ms, 1e-3))));
+    unsigned long long e0 = 0, e1 = 0;
+    cuda_check(cudaStreamSynchronize(stream_), "sync");
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!clock_probe_->energy_mj(&e0)) return;
+    for (int i = 0; i < count; ++i) f();
+    cuda_check(cudaStreamSynchronize(stream_), "sync");
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!clock_probe_->energy_mj(&e1) || e1 < e0) return;
+    const double seconds = std::chrono::duration<double>(t1 - t0).count();
+    *joules = double(e1 - e0) * 1e-3 / count;
+    *watts = seconds > 0 ? double(e1 - e0) * 1e-3 / seconds : 0;
   }
   static double median(std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -850,17 +881,20 @@ class ModesBench {
       const size_t count = products_.candidates(sh.m, sh.n, sh.k, sh.a_t, sh.b_t, dt_, sh.c_type);
       // Three rounds over the candidates, each candidate's best kept: the card's clocks drift
       // over a survey, and rounds spread that drift over every candidate alike.
-      std::vector<double> best(count, 0.0);
+      std::vector<double> best(count, 0.0), joules(count, 0.0);
       for (int round = 0; round < 3; ++round)
         for (size_t i = 0; i < count; ++i) {
           products_.use_candidate(int(i));
+          count_energy_ = round == 2;  // the last round's only: 2 s a candidate
           const double ms = time(run);
           if (round == 0 || ms < best[i]) best[i] = ms;
+          if (round == 2) joules[i] = last_clocks_.joules;  // 0 where not counted
         }
       products_.use_candidate(-1);
+      count_energy_ = true;
       for (size_t i = 0; i < count; ++i)
-        std::printf("algos %-22s rows %5lld  #%zu %8.3f ms  %s\n", sh.name, (long long)rows, i, best[i],
-                    products_.candidate_config(sh.m, sh.n, sh.k, sh.a_t, sh.b_t, dt_, sh.c_type, i).c_str());
+        std::printf("algos %-22s rows %5lld  #%zu %8.3f ms %6.3f J  %s\n", sh.name, (long long)rows, i, best[i],
+                    joules[i], products_.candidate_config(sh.m, sh.n, sh.k, sh.a_t, sh.b_t, dt_, sh.c_type, i).c_str());
       std::fflush(stdout);
     }
   }
@@ -876,23 +910,32 @@ class ModesBench {
     };
     const char* x = static_cast<const char*>(x_.ptr);
     const char* g = static_cast<const char*>(full_logits());
-    const double fwd = time([&] {
+    // Each timing's joules a run where the driver counts them (--clocks), printed last.
+    std::string joules;
+    auto time = [&](const char* name, auto&& f) {
+      const double ms = this->time(f);
+      char note[96];
+      std::snprintf(note, sizeof(note), "  %s %.2f J", name, last_clocks_.joules);
+      if (last_clocks_.joules > 0) joules += note;
+      return ms;
+    };
+    const double fwd = time("forward->f32", [&] {
       each_chunk([&](int64_t r0, int64_t m) {
         products_.run(m, v_, h_, false, true, x + r0 * h_ * es, w_.ptr, z32.ptr, dt_, LMLOSS_F32, stream_);
       });
     });
-    const double dx = time([&] {
+    const double dx = time("dX", [&] {
       each_chunk([&](int64_t r0, int64_t m) {
         products_.run(m, h_, v_, false, false, g + r0 * v_ * es, w_.ptr, static_cast<char*>(dx_.ptr) + r0 * h_ * es,
                       dt_, dt_, stream_);
       });
     });
-    const double dx_f32 = time([&] {
+    const double dx_f32 = time("dX->f32", [&] {
       each_chunk([&](int64_t r0, int64_t m) {
         products_.run(m, h_, v_, false, false, g + r0 * v_ * es, w_.ptr, dx32.ptr, dt_, LMLOSS_F32, stream_);
       });
     });
-    const double dx_full = time([&] {
+    const double dx_full = time("dX full", [&] {
       products_.run(n_, h_, v_, false, false, g, w_.ptr, dx_.ptr, dt_, dt_, stream_);
     });
     // dX by as many vocabulary slices as there are chunks, each at full height into one f32 dX
@@ -901,14 +944,14 @@ class ModesBench {
     // logits read as a dense matrix.
     const int64_t slices = (n_ + rows - 1) / rows, slice = (v_ + slices - 1) / slices;
     DeviceBuffer dx_full32(size_t(n_) * h_ * 4);
-    const double dx_sliced = time([&] {
+    const double dx_sliced = time("dX sliced", [&] {
       for (int64_t v0 = 0; v0 < v_; v0 += slice) {
         const int64_t width = std::min(slice, v_ - v0);
         products_.run(n_, h_, width, false, false, g, static_cast<const char*>(w_.ptr) + v0 * h_ * es,
                       dx_full32.ptr, dt_, LMLOSS_F32, stream_, v0 > 0 ? 1.f : 0.f);
       }
     });
-    const double dw = time([&] {
+    const double dw = time("dW(f32, beta 1)", [&] {
       each_chunk([&](int64_t r0, int64_t m) {
         products_.run(v_, h_, m, true, false, g + r0 * v_ * es, x + r0 * h_ * es, dw_.ptr, dt_, LMLOSS_F32, stream_,
                       r0 > 0 ? 1.f : 0.f);
@@ -946,19 +989,24 @@ class ModesBench {
       cuda_check(cudaEventRecord(join, side_stream_), "join");
       cuda_check(cudaStreamWaitEvent(stream_, join), "join wait");
     };
-    const double dx_dw_serial = time([&] {
+    const double dx_dw_serial = time("dX+dW serial", [&] {
       each_chunk([&](int64_t r0, int64_t m) { chunk_dx(r0, m, stream_); chunk_dw(r0, m); });
     });
-    const double dx_dw_beside = time([&] { each_chunk([&](int64_t r0, int64_t m) { beside(r0, m, chunk_dw); }); });
-    const double dx_fwd_serial = time([&] {
+    const double dx_dw_beside = time("dX+dW beside", [&] {
+      each_chunk([&](int64_t r0, int64_t m) { beside(r0, m, chunk_dw); });
+    });
+    const double dx_fwd_serial = time("dX+next fwd serial", [&] {
       each_chunk([&](int64_t r0, int64_t m) { chunk_dx(r0, m, stream_); next_forward(r0, m); });
     });
-    const double dx_fwd_beside = time([&] { each_chunk([&](int64_t r0, int64_t m) { beside(r0, m, next_forward); }); });
+    const double dx_fwd_beside = time("dX+next fwd beside", [&] {
+      each_chunk([&](int64_t r0, int64_t m) { beside(r0, m, next_forward); });
+    });
     cudaEventDestroy(fork);
     cudaEventDestroy(join);
     std::printf("overlap   chunk %5lld rows  dX(f32)+dW one after the other %8.3f ms, on two streams %8.3f ms;"
                 "  dX(f32)+next forward->f32 one after the other %8.3f ms, on two streams %8.3f ms\n",
                 (long long)rows, dx_dw_serial, dx_dw_beside, dx_fwd_serial, dx_fwd_beside);
+    if (!joules.empty()) std::printf("energy    chunk %5lld rows%s\n", (long long)rows, joules.c_str());
     std::fflush(stdout);
   }
 
@@ -1241,6 +1289,7 @@ class ModesBench {
   double last_floor_ms_ = 0;
   std::unique_ptr<ClockProbe> clock_probe_;  // null: no clock samples
   Clocks last_clocks_;
+  bool count_energy_ = true;  // whether time() also counts a run's energy (steady_energy)
   int rest_ms_ = 0;
   bool tune_ = false;  // lmloss_context_set_product_tuning on the library's contexts
   lmloss_dtype dw_dtype_ = LMLOSS_F32;
@@ -1335,7 +1384,12 @@ int run(int argc, char** argv) {
     const Clocks& c = r.clocks;
     if (c.runs > 0 && c.mhz > 0) {
       std::printf("  clock %u MHz, held %d/%d", c.mhz, c.held, c.runs);
-      if (c.floor_mhz > 0) std::printf(" (floor %u MHz, held %d/%d)", c.floor_mhz, c.floor_held, c.runs);
+      if (c.joules > 0) std::printf(", %.2f J at %.0f W", c.joules, c.watts);
+      if (c.floor_mhz > 0) {
+        std::printf(" (floor %u MHz, held %d/%d", c.floor_mhz, c.floor_held, c.runs);
+        if (c.floor_joules > 0) std::printf(", %.2f J at %.0f W", c.floor_joules, c.floor_watts);
+        std::printf(")");
+      }
     }
     std::printf("\n");
     std::fflush(stdout);
@@ -1368,6 +1422,9 @@ int run(int argc, char** argv) {
       if (r.clocks.runs > 0 && r.clocks.mhz > 0)
         std::fprintf(f, ", \"sm_mhz\": %u, \"held_runs\": %d, \"floor_sm_mhz\": %u, \"floor_held_runs\": %d",
                      r.clocks.mhz, r.clocks.held, r.clocks.floor_mhz, r.clocks.floor_held);
+      if (r.clocks.joules > 0)
+        std::fprintf(f, ", \"joules\": %.4f, \"watts\": %.1f, \"floor_joules\": %.4f, \"floor_watts\": %.1f",
+                     r.clocks.joules, r.clocks.watts, r.clocks.floor_joules, r.clocks.floor_watts);
       std::fprintf(f, "}");
     }
     std::fprintf(f, "]}\n");
