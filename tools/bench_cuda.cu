@@ -737,7 +737,8 @@ class ModesBench {
   // floor_count > 0 each run of f follows a run of that floor (see run_floor), so both see the
   // same clocks and temperature (a long run of products slows the card); the floor's median is
   // kept for the row (last_floor_ms_). With sample_clocks, the host samples the SM clock while
-  // each run is on the device (last_clocks_).
+  // each run is on the device, and steady_energy counts a run's energy after the timed runs
+  // (last_clocks_).
   template <typename F>
   double time(F&& f, int floor_count = 0) {
     cudaEvent_t start, stop;
@@ -912,30 +913,30 @@ class ModesBench {
     const char* g = static_cast<const char*>(full_logits());
     // Each timing's joules a run where the driver counts them (--clocks), printed last.
     std::string joules;
-    auto time = [&](const char* name, auto&& f) {
-      const double ms = this->time(f);
+    auto time_family = [&](const char* name, auto&& f) {
+      const double ms = time(f);
       char note[96];
       std::snprintf(note, sizeof(note), "  %s %.2f J", name, last_clocks_.joules);
       if (last_clocks_.joules > 0) joules += note;
       return ms;
     };
-    const double fwd = time("forward->f32", [&] {
+    const double fwd = time_family("forward->f32", [&] {
       each_chunk([&](int64_t r0, int64_t m) {
         products_.run(m, v_, h_, false, true, x + r0 * h_ * es, w_.ptr, z32.ptr, dt_, LMLOSS_F32, stream_);
       });
     });
-    const double dx = time("dX", [&] {
+    const double dx = time_family("dX", [&] {
       each_chunk([&](int64_t r0, int64_t m) {
         products_.run(m, h_, v_, false, false, g + r0 * v_ * es, w_.ptr, static_cast<char*>(dx_.ptr) + r0 * h_ * es,
                       dt_, dt_, stream_);
       });
     });
-    const double dx_f32 = time("dX->f32", [&] {
+    const double dx_f32 = time_family("dX->f32", [&] {
       each_chunk([&](int64_t r0, int64_t m) {
         products_.run(m, h_, v_, false, false, g + r0 * v_ * es, w_.ptr, dx32.ptr, dt_, LMLOSS_F32, stream_);
       });
     });
-    const double dx_full = time("dX full", [&] {
+    const double dx_full = time_family("dX full", [&] {
       products_.run(n_, h_, v_, false, false, g, w_.ptr, dx_.ptr, dt_, dt_, stream_);
     });
     // dX by as many vocabulary slices as there are chunks, each at full height into one f32 dX
@@ -944,14 +945,14 @@ class ModesBench {
     // logits read as a dense matrix.
     const int64_t slices = (n_ + rows - 1) / rows, slice = (v_ + slices - 1) / slices;
     DeviceBuffer dx_full32(size_t(n_) * h_ * 4);
-    const double dx_sliced = time("dX sliced", [&] {
+    const double dx_sliced = time_family("dX sliced", [&] {
       for (int64_t v0 = 0; v0 < v_; v0 += slice) {
         const int64_t width = std::min(slice, v_ - v0);
         products_.run(n_, h_, width, false, false, g, static_cast<const char*>(w_.ptr) + v0 * h_ * es,
                       dx_full32.ptr, dt_, LMLOSS_F32, stream_, v0 > 0 ? 1.f : 0.f);
       }
     });
-    const double dw = time("dW(f32, beta 1)", [&] {
+    const double dw = time_family("dW(f32, beta 1)", [&] {
       each_chunk([&](int64_t r0, int64_t m) {
         products_.run(v_, h_, m, true, false, g + r0 * v_ * es, x + r0 * h_ * es, dw_.ptr, dt_, LMLOSS_F32, stream_,
                       r0 > 0 ? 1.f : 0.f);
@@ -989,16 +990,16 @@ class ModesBench {
       cuda_check(cudaEventRecord(join, side_stream_), "join");
       cuda_check(cudaStreamWaitEvent(stream_, join), "join wait");
     };
-    const double dx_dw_serial = time("dX+dW serial", [&] {
+    const double dx_dw_serial = time_family("dX+dW serial", [&] {
       each_chunk([&](int64_t r0, int64_t m) { chunk_dx(r0, m, stream_); chunk_dw(r0, m); });
     });
-    const double dx_dw_beside = time("dX+dW beside", [&] {
+    const double dx_dw_beside = time_family("dX+dW beside", [&] {
       each_chunk([&](int64_t r0, int64_t m) { beside(r0, m, chunk_dw); });
     });
-    const double dx_fwd_serial = time("dX+next fwd serial", [&] {
+    const double dx_fwd_serial = time_family("dX+next fwd serial", [&] {
       each_chunk([&](int64_t r0, int64_t m) { chunk_dx(r0, m, stream_); next_forward(r0, m); });
     });
-    const double dx_fwd_beside = time("dX+next fwd beside", [&] {
+    const double dx_fwd_beside = time_family("dX+next fwd beside", [&] {
       each_chunk([&](int64_t r0, int64_t m) { beside(r0, m, next_forward); });
     });
     cudaEventDestroy(fork);
