@@ -25,12 +25,19 @@ the bf16 gradient, each rounding alone and together, on bench/peers.py's inputs 
   f X             each row of X times its factor exp(s_y - lse) / N, rounded to bf16 for dW
   both            the exponential form as run: E and f X both rounded
   f16 gradient    the gradient form in f16: what three more bits would give
+With --exact-above T1,T2,... each threshold T adds two rows where the entries with a probability
+or gradient of at least T are taken exactly and only the rest rounded (a sparse correction beside
+the products: at most 1/T entries a row, as a row's probabilities sum to 1, plus its label):
+  gradient form, T   the gradient form's entries of |p - y| >= T exact
+  both, T            the exponential form as run, its entries of p >= T exact
+and the mean and largest count of such entries a row.
 Logits are float32 sums as the products leave them. "peaked" needs an H of ~1000 for its lifted
 tokens to stand apart (W's rows nearly orthogonal); "random" is the benchmarks' flat softmax.
 """
 
 import argparse
 import time
+from fractions import Fraction
 
 import numpy as np
 
@@ -100,14 +107,18 @@ def library_per_chunk(n, v, h, chunk_rows, seed=0):
     return dw.float().numpy()
 
 
-def emulate_forms(n, v, h, data, seed=0, block_rows=512):
-    """Relative errors against float64 of a dW accumulated in f32 from each form's roundings."""
+def emulate_forms(n, v, h, data, seed=0, block_rows=512, exact_above=()):
+    """Relative errors against float64 of a dW accumulated in f32 from each form's roundings; for
+    each threshold in exact_above also the two forms with their entries above it exact, and the
+    mean and largest count of those entries a row ("entries" maps each threshold to the pair)."""
     import torch
     import peers
     x, w, y, _, _ = peers.make_inputs(n, h, v, torch.bfloat16, seed=seed, data=data, device="cpu")
     x, w, y = x.float().numpy(), w.float().numpy(), y.numpy()
     names = ("gradient form", "exp(s - s_y)", "f X", "both", "f16 gradient")
+    names += tuple(f"{form}, {t:g}" for t in exact_above for form in ("gradient form", "both"))
     sums = {k: np.zeros((v, h)) for k in ("exact",) + names}
+    counts = {t: [0, 0] for t in exact_above}  # entries a row above t: total, largest
     label_term = np.zeros((v, h))  # the one-hot term, exact: added once at the end
     for r0 in range(0, n, block_rows):
         xc, yc = x[r0:r0 + block_rows], y[r0:r0 + block_rows]
@@ -129,9 +140,21 @@ def emulate_forms(n, v, h, data, seed=0, block_rows=512):
         sums["f X"] += stored.T @ fx16
         sums["both"] += stored16.T @ fx16
         sums["f16 gradient"] += grad.astype(np.float16).astype(np.float64).T @ x64 / n
-    for k in ("exp(s - s_y)", "f X", "both"):
+        for t in exact_above:
+            kept = np.abs(grad) >= t
+            sums[f"gradient form, {t:g}"] += np.where(kept, grad, bf16(grad)).T @ x64 / n
+            # The exponential form's terms of the kept entries taken out and added exactly.
+            kept = p >= t
+            rounded = np.where(kept, 0.0, stored16)
+            sums[f"both, {t:g}"] += rounded.T @ fx16 + np.where(kept, p, 0.0).T @ x64 / n
+            per_row = (kept | (np.abs(grad) >= t)).sum(axis=1)
+            counts[t][0] += int(per_row.sum())
+            counts[t][1] = max(counts[t][1], int(per_row.max()))
+    for k in ("exp(s - s_y)", "f X", "both") + tuple(f"both, {t:g}" for t in exact_above):
         sums[k] += label_term
-    return {k: relative_error(sums[k], sums["exact"]) for k in names}
+    errors = {k: relative_error(sums[k], sums["exact"]) for k in names}
+    errors["entries"] = {t: (total / n, largest) for t, (total, largest) in counts.items()}
+    return errors
 
 
 def main():
@@ -145,14 +168,21 @@ def main():
                     help="an f32 dW on CUDA's two gradient forms instead")
     ap.add_argument("--data", choices=("random", "peaked"), default="random",
                     help="with --forms: bench/peers.py's inputs of that kind")
+    ap.add_argument("--exact-above", default="",
+                    help="with --forms: comma list of thresholds, e.g. 1/16,1/64: the two "
+                         "forms with their entries above each threshold exact")
     args = ap.parse_args()
     print("# relative error of dW against float64 (norm of the difference / norm)")
     if args.forms:
         t0 = time.time()
-        e = emulate_forms(args.tokens, args.vocab, args.hidden, args.data)
+        thresholds = [float(Fraction(t)) for t in args.exact_above.split(",") if t]
+        e = emulate_forms(args.tokens, args.vocab, args.hidden, args.data, exact_above=thresholds)
+        entries = e.pop("entries")
         forms = "  ".join(f"{k} {e[k]:.2e}" for k in e)
         print(f"N {args.tokens} V {args.vocab} H {args.hidden}, {args.data}, dW in f32, rounded: "
               f"{forms}  ({time.time() - t0:.0f} s)", flush=True)
+        for t, (mean, largest) in entries.items():
+            print(f"  entries of {t:g} or more a row: mean {mean:.2f}, largest {largest}")
         return
     for rows in map(int, args.chunk_rows.split(",")):
         t0 = time.time()

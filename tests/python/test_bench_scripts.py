@@ -58,6 +58,19 @@ def test_f32_sum_forms_emulation_orders_the_roundings():
     assert flat["both"] < 0.3 * peaked["both"], (flat, peaked)
 
 
+def test_forms_emulation_with_the_large_entries_exact():
+    """The entries of probability (or |gradient|) 1/16 or more kept exact, the rest rounded: on
+    peaked inputs both forms come well under the all-rounded error, a smaller threshold closer
+    still, and no row has more such entries than its probabilities allow (1/T, plus the label)."""
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    e = dw_rounding.emulate_forms(256, 4000, 1024, "peaked", exact_above=(1 / 4, 1 / 16))
+    for form in ("gradient form", "both"):
+        assert e[f"{form}, 0.0625"] < e[f"{form}, 0.25"] < 0.5 * e[form], e
+    assert e["both, 0.0625"] < 0.2 * e["both"], e
+    for t, (mean, largest) in e["entries"].items():
+        assert 1 <= mean <= largest <= 1 / t + 1, e["entries"]
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
 def test_bench_script_parses(script):
     ast.parse((BENCH / script).read_text(), filename=script)
