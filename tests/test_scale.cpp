@@ -131,6 +131,21 @@ TEST_P(ScaleGradient, BadArgumentsChangeNothing) {
   }
 }
 
+// out a row further into grad's buffer: refused, nothing written. (out = grad itself is InPlace.)
+TEST_P(ScaleGradient, OutOverlappingGradIsRefused) {
+  const lmloss_dtype grad_dtype = dtype();
+  Buffer both = Buffer::of_values(device(), grad_dtype, gradient_values(9 * 16), 2, 9, 16);
+  both.upload();
+  both.snapshot();
+  lmloss_tensor grad = both.tensor(), out = both.tensor();
+  grad.shape[0] = out.shape[0] = 8;
+  out.data = static_cast<char*>(out.data) + 16 * int64_t(dtype_size(grad_dtype));
+  EXPECT_EQ(lmloss_scale_gradient(ctx.get(), &grad, nullptr, &out), LMLOSS_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(lmloss_last_error()).rfind("out: shares memory with grad", 0), 0u) << lmloss_last_error();
+  both.download();
+  EXPECT_TRUE(both.untouched());
+}
+
 INSTANTIATE_TEST_SUITE_P(, ScaleGradient,
                          ::testing::Combine(all_devices, ::testing::Values(LMLOSS_F64, LMLOSS_F32, LMLOSS_BF16,
                                                                            LMLOSS_F16)),

@@ -704,6 +704,89 @@ TEST_P(Validation, RoundGradWeightArguments) {
   EXPECT_EQ(lmloss_round_grad_weight(nullptr, &g, &t, &s), LMLOSS_ERROR_INVALID_ARGUMENT);
 }
 
+// `t` moved `elements` further into its buffer, its shape and stride kept.
+lmloss_tensor moved(lmloss_tensor t, int64_t elements) {
+  t.data = static_cast<char*>(t.data) + elements * int64_t(dtype_size(t.dtype));
+  return t;
+}
+
+// An output that shares bytes with an input or another output is refused before anything is
+// written (inputs included); rows interleaved with an input's in one buffer are not shared.
+TEST_P(Validation, OverlappingOutputs) {
+  auto expect_inputs_untouched = [](LossCase& c) {
+    for (Buffer* b : {&c.hidden, &c.weight, &c.logits}) {
+      if (!b->present()) continue;
+      b->download();
+      EXPECT_TRUE(b->untouched());
+    }
+  };
+  auto padded_case = [&](int64_t hidden) {  // every matrix's rows padded to twice their length
+    Generator gen(406);
+    LossSetup s;
+    s.device = device();
+    s.row_padding = hidden == 0 ? 37 : hidden;
+    LossCase c(gen.problem({.n_tokens = 6, .vocab = 37, .hidden = hidden}), lmloss_loss_options_default(), s);
+    for (Buffer* b : {&c.hidden, &c.weight, &c.logits}) b->snapshot();
+    return c;
+  };
+  {  // an input itself
+    LossCase c = padded_case(8);
+    LossArgs a = args_of(c);
+    a.grads.grad_hidden = a.head.hidden;
+    expect_loss_rejected(c, a, "grads.grad_hidden");
+    expect_inputs_untouched(c);
+  }
+  {  // half of each row of an input
+    LossCase c = padded_case(8);
+    LossArgs a = args_of(c);
+    a.grads.grad_hidden = moved(a.head.hidden, 4);
+    expect_loss_rejected(c, a, "grads.grad_hidden");
+    expect_inputs_untouched(c);
+  }
+  {  // the logits a row on: only the same tensor is an in-place gradient
+    LossCase c = padded_case(0);
+    LossArgs a = args_of(c);
+    a.grads.grad_logits = moved(a.head.logits, 1);
+    expect_loss_rejected(c, a, "grads.grad_logits");
+    expect_inputs_untouched(c);
+  }
+  {  // two outputs
+    LossCase c = linear_case();
+    LossArgs a = args_of(c);
+    a.grads.grad_bias.data = a.grads.grad_weight.data;
+    expect_loss_rejected(c, a, "grads.grad_weight");
+    a = args_of(c);
+    a.lse.data = a.loss.data;
+    expect_loss_rejected(c, a, "loss", Mode::forward);
+  }
+  {  // the backward's lse is an input
+    LossCase c = linear_case();
+    LossArgs a = args_of(c);
+    a.lse.data = a.grads.grad_hidden.data;
+    expect_loss_rejected(c, a, "grads.grad_hidden", Mode::backward);
+  }
+  {  // rows between an input's rows share nothing: taken, the input left as it was
+    LossCase c = padded_case(8);
+    LossArgs a = args_of(c);
+    a.grads.grad_hidden = moved(a.head.hidden, 8);
+    EXPECT_EQ(c.invoke(ctx.get(), [&] { return call(ctx.get(), Mode::forward_backward, a); }), LMLOSS_SUCCESS)
+        << lmloss_last_error();
+    ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS);
+    c.hidden.download();
+    for (int64_t i = 0; i < c.hidden.count(); ++i)
+      ASSERT_EQ(c.hidden.get(i), c.problem().hidden_states[size_t(i)]) << "element " << i;
+  }
+  TopkCase t = topk_case();
+  expect_topk_rejected(t, t.options, "ids",
+                       [](lmloss_tensor& ids, lmloss_tensor& probs, lmloss_tensor&, lmloss_head&) {
+                         probs.data = ids.data;
+                       });
+  expect_topk_rejected(t, t.options, "tail",
+                       [](lmloss_tensor&, lmloss_tensor&, lmloss_tensor& tail, lmloss_head& h) {
+                         tail.data = h.logits.data;
+                       });
+}
+
 TEST_P(Validation, SuccessClearsTheLastError) {
   LossCase c = logits_case();
   LossArgs a = args_of(c);

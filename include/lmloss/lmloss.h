@@ -17,7 +17,8 @@
  *
  * Tensors are described, not owned: lmloss_tensor points at the caller's memory (CPU or CUDA).
  * The last dimension is contiguous; `stride` is the stride of the first dimension in elements, so
- * rows may be views into larger buffers.
+ * rows may be views into larger buffers. An output may not share a byte with an input or with
+ * another output, except where a call says it may be written in place.
  */
 #ifndef LMLOSS_LMLOSS_H
 #define LMLOSS_LMLOSS_H
@@ -43,7 +44,8 @@ extern "C" {
 
 typedef enum lmloss_status {
   LMLOSS_SUCCESS = 0,
-  LMLOSS_ERROR_INVALID_ARGUMENT = 1, /* shape, dtype, stride, device or value: nothing written */
+  LMLOSS_ERROR_INVALID_ARGUMENT = 1, /* shape, dtype, stride, device, value or outputs overlapping
+                                        inputs or each other: nothing written */
   LMLOSS_ERROR_UNSUPPORTED = 2,      /* valid, but not in this build or on this backend */
   LMLOSS_ERROR_OUT_OF_MEMORY = 3,    /* workspace could not be allocated: nothing written */
   LMLOSS_ERROR_ID_OUT_OF_RANGE = 4,  /* a label or teacher id found out of range on the device */

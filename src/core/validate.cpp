@@ -5,7 +5,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <initializer_list>
+#include <iterator>
 #include <string>
+#include <utility>
 
 #include "core/context.hpp"
 #include "core/dtype.hpp"
@@ -83,6 +86,77 @@ struct DeviceCheck {
     return LMLOSS_SUCCESS;
   }
 };
+
+// The bytes a tensor's elements occupy: `rows` runs of `row_bytes`, `stride_bytes` apart (a
+// vector's elements are its rows; runs that touch are one).
+struct ByteRows {
+  intptr_t begin = 0;
+  int64_t rows = 0;
+  int64_t row_bytes = 0;
+  int64_t stride_bytes = 0;
+};
+
+ByteRows byte_rows(const lmloss_tensor& t) {
+  const int64_t size = int64_t(dtype_size(t.dtype));
+  ByteRows b{reinterpret_cast<intptr_t>(t.data), t.ndim == 1 ? t.shape[0] : row_count(t),
+             t.ndim == 1 ? size : row_length(t) * size, row_stride(t) * size};
+  if (!t.data || b.row_bytes == 0) b.rows = 0;
+  if (b.rows > 1 && b.stride_bytes == b.row_bytes) {
+    b.row_bytes *= b.rows;
+    b.rows = 1;
+  }
+  if (b.rows == 1) b.stride_bytes = b.row_bytes;
+  return b;
+}
+
+// Whether two tensors share a byte: exactly, so rows interleaved with another tensor's (views of
+// one buffer of wider rows) do not count. Walks the rows of the one with fewer, and only when
+// their spans overlap.
+bool share_bytes(const lmloss_tensor& x, const lmloss_tensor& y) {
+  const ByteRows a = byte_rows(x), b = byte_rows(y);
+  if (a.rows == 0 || b.rows == 0) return false;
+  const auto end = [](const ByteRows& r) { return r.begin + (r.rows - 1) * r.stride_bytes + r.row_bytes; };
+  if (end(a) <= b.begin || end(b) <= a.begin) return false;
+  const ByteRows& few = a.rows <= b.rows ? a : b;
+  const ByteRows& many = a.rows <= b.rows ? b : a;
+  for (int64_t j = 0; j < few.rows; ++j) {
+    // Row j of `few` at [start, start + few.row_bytes) from `many`'s first byte meets row i of
+    // `many` when start - many.row_bytes < i * stride < start + few.row_bytes: try the least i.
+    const int64_t start = few.begin + j * few.stride_bytes - many.begin;
+    const int64_t above = start - many.row_bytes;
+    const int64_t i = above < 0 ? 0 : above / many.stride_bytes + 1;
+    if (i < many.rows && i * many.stride_bytes < start + few.row_bytes) return true;
+  }
+  return false;
+}
+
+struct NamedTensor {
+  const lmloss_tensor* tensor;
+  const char* name;
+};
+
+// No output shares a byte with an input or with another output: a call reads its inputs after it
+// has started writing, so any overlap is a result that depends on the order of the work.
+// `in_place` names the one pair that may be the same tensor (an output over its own input), and
+// `in_place_rule` says so in the message.
+lmloss_status check_no_overlap(std::initializer_list<NamedTensor> outputs, std::initializer_list<NamedTensor> inputs,
+                               std::pair<const lmloss_tensor*, const lmloss_tensor*> in_place = {},
+                               const char* in_place_rule = "") {
+  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+    auto refuse = [&](const NamedTensor& other) {
+      return invalid(out->name, std::string("shares memory with ") + other.name +
+                                    "; outputs may not overlap the inputs or each other" + in_place_rule);
+    };
+    for (auto other = std::next(out); other != outputs.end(); ++other)
+      if (share_bytes(*out->tensor, *other->tensor)) return refuse(*other);
+    for (const NamedTensor& in : inputs) {
+      const bool allowed = out->tensor == in_place.first && in.tensor == in_place.second &&
+                           out->tensor->data == in.tensor->data;
+      if (!allowed && share_bytes(*out->tensor, *in.tensor)) return refuse(in);
+    }
+  }
+  return LMLOSS_SUCCESS;
+}
 
 // The head: logits, or hidden + weight (+ bias). Fills the shape fields of a call.
 template <typename Call>
@@ -364,6 +438,19 @@ lmloss_status validate_loss(Mode mode, const lmloss_head* head, const lmloss_tar
   LMLOSS_CHECK(device.add(call.grads.grad_weight, "grads.grad_weight"));
   LMLOSS_CHECK(device.add(sum_tail, "options.grad_weight_sum_tail"));
   LMLOSS_CHECK(device.add(call.grads.grad_bias, "grads.grad_bias"));
+  const bool lse_is_input = mode == Mode::backward;
+  const lmloss_tensor& lse_out = lse_is_input ? none : call.lse;
+  const lmloss_tensor& lse_in = lse_is_input ? call.lse : none;
+  const lmloss_grads& g = call.grads;
+  LMLOSS_CHECK(check_no_overlap(
+      {{&call.loss, "loss"}, {&lse_out, "lse"}, {&g.grad_logits, "grads.grad_logits"},
+       {&g.grad_hidden, "grads.grad_hidden"}, {&g.grad_weight, "grads.grad_weight"},
+       {&sum_tail, "options.grad_weight_sum_tail"}, {&g.grad_bias, "grads.grad_bias"}},
+      {{&call.head.logits, "head.logits"}, {&call.head.hidden, "head.hidden"}, {&call.head.weight, "head.weight"},
+       {&call.head.bias, "head.bias"}, {&call.targets.labels, "targets.labels"},
+       {&call.targets.teacher_ids, "targets.teacher_ids"}, {&call.targets.teacher_probs, "targets.teacher_probs"},
+       {&call.targets.token_mask, "targets.token_mask"}, {&lse_in, "lse"}, {&call.grad_loss, "grad_loss"}},
+      {&g.grad_logits, &call.head.logits}, " (grads.grad_logits may be head.logits itself, for an in-place gradient)"));
   call.device_type = device.type;
   call.device_index = device.index;
   return LMLOSS_SUCCESS;
@@ -408,6 +495,9 @@ lmloss_status validate_topk(const lmloss_head* head, const lmloss_topk_options* 
   LMLOSS_CHECK(device.add(call.ids, "ids"));
   LMLOSS_CHECK(device.add(call.probs, "probs"));
   LMLOSS_CHECK(device.add(call.tail, "tail"));
+  LMLOSS_CHECK(check_no_overlap({{&call.ids, "ids"}, {&call.probs, "probs"}, {&call.tail, "tail"}},
+                                {{&call.head.logits, "head.logits"}, {&call.head.hidden, "head.hidden"},
+                                 {&call.head.weight, "head.weight"}, {&call.head.bias, "head.bias"}}));
   call.device_type = device.type;
   call.device_index = device.index;
   return LMLOSS_SUCCESS;
@@ -441,6 +531,8 @@ lmloss_status validate_scale(const lmloss_tensor* grad, const lmloss_tensor* sca
   LMLOSS_CHECK(device.add(call.grad, "grad"));
   LMLOSS_CHECK(device.add(call.out, "out"));
   LMLOSS_CHECK(device.add(call.scale, "scale"));
+  LMLOSS_CHECK(check_no_overlap({{&call.out, "out"}}, {{&call.grad, "grad"}, {&call.scale, "scale"}},
+                                {&call.out, &call.grad}, " (out may be grad itself, in place)"));
   call.rows = rows;
   call.cols = cols;
   call.device_type = device.type;
@@ -467,6 +559,7 @@ lmloss_status validate_round(const lmloss_tensor* grad_weight, const lmloss_tens
   LMLOSS_CHECK(device.add(call.grad_weight, "grad_weight"));
   LMLOSS_CHECK(device.add(call.tail, "tail"));
   LMLOSS_CHECK(device.add(call.scale, "scale"));
+  LMLOSS_CHECK(check_no_overlap({{&call.grad_weight, "grad_weight"}, {&call.tail, "tail"}}, {{&call.scale, "scale"}}));
   call.device_type = device.type;
   call.device_index = device.index;
   return LMLOSS_SUCCESS;
