@@ -81,12 +81,15 @@ def _empty_like_shape(ref: Tensor, shape, dtype) -> Tensor:
 
 
 def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias,
-                  keep_weight_sum=False):
+                  keep_weight_sum=False, scaled_later=False):
     """(grad_logits, grad_hidden, grad_weight, grad_bias, grad_weight_sum_tail); an empty tensor
     stands for a gradient not wanted (a custom op returns tensors, never None). With
     keep_weight_sum, a 16-bit weight's gradient has the weight's dtype and holds, with the tail,
     its float32 sum until lmloss_round_grad_weight rounds it in place; else a 16-bit weight's is
-    float32."""
+    float32. With scaled_later (the fused step's gradients, formed for an upstream gradient of 1),
+    a float16 hidden state's gradient is float32 until backward scales it: its values, of order
+    1 / tokens, would otherwise be rounded into float16's subnormals before a loss scale could
+    lift them."""
     lead = logits if logits is not None else hidden
 
     def none():  # each output its own tensor: a custom op's outputs may not alias
@@ -95,7 +98,11 @@ def _grad_buffers(logits, hidden, weight, bias, want_logits, want_hidden, want_w
     keep = keep_weight_sum and weight is not None and want_weight and weight.dtype in _LOW_PRECISION
     g_logits = torch.empty_like(logits, memory_format=torch.contiguous_format) if (
         logits is not None and want_logits) else none()
-    g_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if (
+    hidden_grad_dtype = None
+    if hidden is not None:
+        wide = scaled_later and hidden.dtype == torch.float16
+        hidden_grad_dtype = torch.float32 if wide else hidden.dtype
+    g_hidden = _empty_like_shape(hidden, hidden.shape, hidden_grad_dtype) if (
         hidden is not None and want_hidden) else none()
     if keep:
         g_weight, tail = _weight_sum_buffers(weight)
@@ -266,7 +273,7 @@ def _loss_forward_backward_impl(
     lse = _empty_like_shape(lead, (n,), compute)
     g_logits, g_hidden, g_weight, g_bias, tail = _grad_buffers(
         logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias,
-        keep_weight_sum)
+        keep_weight_sum, scaled_later=True)
     _run("forward_backward", _device(logits, hidden), logits=_rows(logits),
          hidden=_rows(hidden), weight=_rows(weight), bias=_rows(bias), labels=_rows(labels),
          teacher_ids=_rows(teacher_ids), teacher_probs=_rows(teacher_probs),
@@ -294,7 +301,7 @@ def _(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_ma
     loss = lead.new_empty((n,) if reduction == "none" else (), dtype=compute)
     return (loss, lead.new_empty((n,), dtype=compute)) + tuple(_grad_buffers(
         logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias,
-        keep_weight_sum))
+        keep_weight_sum, scaled_later=True))
 
 
 # ---- Autograd --------------------------------------------------------------------------------
@@ -322,6 +329,7 @@ def _no_grads(count: int):
 def _backward_forward(ctx, grad_loss, _grad_lse):
     if grad_loss is None:
         return _no_grads(_N_HEAD_TARGETS + _N_OPTIONS)
+    _check_first_order(grad_loss)
     saved = ctx.saved_tensors
     head_targets, lse = saved[:_N_HEAD_TARGETS], saved[_N_HEAD_TARGETS]
     logits, hidden, weight, bias = head_targets[:4]
@@ -352,6 +360,29 @@ def _setup_forward_backward(ctx, inputs, output):
 
 
 _CAST_SLICE_BYTES = 64 << 20
+
+_SECOND_ORDER = (
+    "lmloss: second-order gradients are not implemented. A backward with create_graph=True "
+    "through an lmloss loss forms gradients that are differentiable only in the upstream "
+    "gradient (where that requires grad), never in the logits, hidden states, weight or bias: "
+    "refused rather than given without those terms.")
+
+
+def _refuse_second_order(ctx, *grads):
+    raise RuntimeError(_SECOND_ORDER)
+
+
+def _check_first_order(grad_loss: Tensor) -> None:
+    """Raises in a backward that builds a graph (create_graph=True) for anything but a
+    differentiable upstream gradient: the graph's only use would be derivatives lmloss does not
+    form, which would silently come out as zero."""
+    if torch.is_grad_enabled() and not grad_loss.requires_grad and not _traced(grad_loss):
+        raise RuntimeError(_SECOND_ORDER)
+
+
+# The recomputing backward's op, run with create_graph=True, records this in place of PyTorch's
+# generic refusal of an op without a derivative.
+_loss_backward.register_autograd(_refuse_second_order)
 
 
 @torch.library.custom_op("lmloss::scale_gradient", mutates_args=())
@@ -397,11 +428,12 @@ def _scaled_to(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
 def _backward_forward_backward(ctx, grad_loss, *_grads_of_aux):
     if grad_loss is None:
         return _no_grads(_N_HEAD_TARGETS + _N_OPTIONS + 5)
+    _check_first_order(grad_loss)
     if ctx.weight_sum_rounded:  # before the saved tensors' own check, with the reason
         raise RuntimeError(
             "lmloss: a second backward through the same loss (retain_graph=True) cannot take a "
-            "16-bit weight's gradient again: the first rounded its float32 sum in place. Compute "
-            "the loss again for each backward.")
+            "16-bit weight's gradient again: the first backward, whichever inputs it was asked "
+            "for, rounded its float32 sum in place. Compute the loss again for each backward.")
     grads = ctx.saved_tensors
     tail = grads[4]
     out = [None] * (_N_HEAD_TARGETS + _N_OPTIONS + 5)
@@ -482,7 +514,12 @@ def _loss(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, toke
                      opts["z_loss"], opts["softcap"], opts["temperature"])
     args = (logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask)
     traced = torch.compiler.is_compiling()  # torch.compile and torch.export see the custom ops
-    if any(want) and opts["reduction"] != "none":
+    # float16 logits take their gradient in backward, the upstream gradient (a loss scale) inside
+    # before its one rounding: the fused step's, formed for an upstream of 1, would fall into
+    # float16's subnormals (given logits cost the same bytes either way).
+    half_logits = logits is not None and logits.dtype == torch.float16
+    fused = opts["reduction"] != "none" and not half_logits
+    if any(want) and fused:
         # A 16-bit weight's gradient is summed in float32 over its own bytes and a tail and
         # rounded there in backward.
         step = _loss_forward_backward if traced else _EagerForwardBackward.apply
@@ -510,6 +547,21 @@ def _autocast(*tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
                  and t.dtype not in (dtype, torch.float64) else t for t in tensors)
 
 
+def _tensor(t, name: str, optional: bool = False) -> Optional[Tensor]:
+    if t is None and optional:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_head(weight, bias) -> None:
+    _tensor(weight, "weight")
+    _tensor(bias, "bias", optional=True)
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected shape (vocab, hidden), got {tuple(weight.shape)}")
+
+
 def _lead_rows(t, name: str):
     if not isinstance(t, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -530,7 +582,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                              temperature=temperature, normalizer=normalizer)
     z, batch = _lead_rows(logits, "logits")
-    y = _check_batched(labels, "labels", batch, "logits")
+    y = _check_batched(_tensor(labels, "labels"), "labels", batch, "logits")
     return _loss(z, None, None, None, y, None, None, None, opts, batch, return_lse)
 
 
@@ -547,9 +599,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *,
     opts = _api.loss_options(reduction=reduction, ignore_index=ignore_index,
                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                              temperature=temperature, normalizer=normalizer)
+    _check_head(weight, bias)
     hidden, weight, bias = _autocast(hidden, weight, bias)
     x, batch = _lead_rows(hidden, "hidden")
-    y = _check_batched(labels, "labels", batch, "hidden")
+    y = _check_batched(_tensor(labels, "labels"), "labels", batch, "hidden")
     return _loss(None, x, weight, bias, y, None, None, None, opts, batch, return_lse)
 
 
@@ -569,6 +622,11 @@ def linear_distill(hidden: Tensor, weight: Tensor, teacher_ids: Tensor, teacher_
                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                              temperature=temperature, normalizer=normalizer,
                              ce_weight=ce_weight, kd_weight=kd_weight)
+    _check_head(weight, bias)
+    for t, name, optional in ((teacher_ids, "teacher_ids", False),
+                              (teacher_probs, "teacher_probs", False), (labels, "labels", True),
+                              (token_mask, "token_mask", True)):
+        _tensor(t, name, optional)
     hidden, weight, bias = _autocast(hidden, weight, bias)
     x, batch = _lead_rows(hidden, "hidden")
     ids = _check_batched(teacher_ids, "teacher_ids", batch, "hidden", extra=True)

@@ -78,9 +78,18 @@ lmloss_dtype dtype_from_dlpack(nb::dlpack::dtype dt, const char* name) {
     if ((dt.code == uint8_t(code::UInt) || dt.code == uint8_t(code::Bool)) && dt.bits == 8)
       return LMLOSS_U8;
   }
+  const char* kind = dt.code == uint8_t(code::Int)       ? "int"
+                     : dt.code == uint8_t(code::UInt)    ? "uint"
+                     : dt.code == uint8_t(code::Float)   ? "float"
+                     : dt.code == uint8_t(code::Bfloat)  ? "bfloat"
+                     : dt.code == uint8_t(code::Complex) ? "complex"
+                     : dt.code == uint8_t(code::Bool)    ? "bool"
+                                                         : nullptr;
+  const std::string dtype = kind ? kind + std::to_string(dt.bits)
+                                 : "(code " + std::to_string(dt.code) + ", " + std::to_string(dt.bits) + " bits)";
   raise(LMLOSS_ERROR_INVALID_ARGUMENT,
-        std::string(name) + ": dtype (code " + std::to_string(dt.code) + ", " +
-            std::to_string(dt.bits) + " bits) is not supported");
+        std::string(name) + ": dtype " + dtype + (dt.lanes == 1 ? "" : " x" + std::to_string(dt.lanes)) +
+            " is not supported");
 }
 
 // A view of one argument: absent for None. The array object stays referenced by `array` for the

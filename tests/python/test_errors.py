@@ -50,6 +50,7 @@ KD = lmloss.linear_distill
 CASES = [
     ("ce_labels_float", lambda a: CE(a["z"], a["y"].astype(np.float32)), TypeError, "labels"),
     ("ce_logits_int", lambda a: CE(a["z"].astype(np.int32), a["y"]), TypeError, "logits"),
+    ("ce_labels_int16", lambda a: CE(a["z"], a["y"].astype(np.int16)), TypeError, "labels"),
     ("ce_logits_list", lambda a: CE(a["z"].tolist(), a["y"]), TypeError, "logits"),
     ("ce_logits_scalar", lambda a: CE(np.float64(1.0), a["y"]), ValueError, "logits"),
     ("ce_labels_shape", lambda a: CE(a["z"], a["y"][:-1]), ValueError, "labels"),

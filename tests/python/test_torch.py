@@ -1024,6 +1024,62 @@ def test_create_graph_gradients_are_differentiable_in_the_upstream_gradient():
     assert torch.allclose(ds, (gx * r).sum() / 0.37)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_second_order_gradients_are_refused(reduction):
+    # A gradient penalty: d/dw of |dL/dx|^2 needs dL/dx differentiated in w, which lmloss does not
+    # form. Refused with lmloss's message, not given without that term.
+    x, w, b, y = linear_inputs()
+    loss = lt.linear_cross_entropy(x, w, y, bias=b, reduction=reduction).sum()
+    with pytest.raises(RuntimeError, match="second-order gradients are not implemented"):
+        gx, = torch.autograd.grad(loss, x, create_graph=True)
+        torch.autograd.grad((gx ** 2).sum(), w)
+
+
+def test_float16_gradients_take_the_loss_scale_before_rounding():
+    # A float16 step under a loss scale (GradScaler's 65536): dX and the logits' gradient, of
+    # order 1 / N, would round into float16's subnormals if formed for an upstream of 1 and scaled
+    # afterwards (N 16384: 5.7e-3 and 4.5e-3 against float64 that way). Formed in float32 or with
+    # the scale inside, each is rounded once: at float16's own rounding of the exact gradient.
+    g = torch.Generator().manual_seed(0)
+    n, h, v, scale = 16384, 32, 256, 65536.0
+    x = leaf((torch.randn(n, h, generator=g) * 0.5).half())
+    w = leaf((torch.randn(v, h, generator=g) * 0.05).half())
+    y = torch.randint(0, v, (n,), generator=g)
+    (lt.linear_cross_entropy(x, w, y) * scale).backward()
+    x64, w64 = leaf(x.double()), leaf(w.double())
+    (F.cross_entropy(x64 @ w64.T, y) * scale).backward()
+    floor = err(x64.grad.half(), x64.grad)
+    assert err(x.grad, x64.grad) < 1.2 * floor
+    assert err(w.grad, w64.grad) < 1.2 * err(w64.grad.half(), w64.grad)
+
+    z = leaf((x64 @ w64.T).detach().half())
+    (lt.cross_entropy(z, y) * scale).backward()
+    z64 = leaf(z.double())
+    (F.cross_entropy(z64, y) * scale).backward()
+    assert err(z.grad, z64.grad) < 1.2 * err(z64.grad.half(), z64.grad)
+
+
+@pytest.mark.parametrize("case,exception,name", [
+    ("numpy weight", TypeError, "weight"), ("3-D weight", ValueError, "weight"),
+    ("list bias", TypeError, "bias"), ("no labels", TypeError, "labels"),
+    ("no teacher_probs", TypeError, "teacher_probs"), ("list token_mask", TypeError, "token_mask"),
+])
+def test_arguments_that_are_not_tensors_are_named(case, exception, name):
+    x, w, b, y = linear_inputs()
+    ids = torch.zeros(*y.shape, 2, dtype=torch.long)
+    p = torch.full(ids.shape, 0.5, dtype=torch.float64)
+    call = {
+        "numpy weight": lambda: lt.linear_cross_entropy(x, w.detach().numpy(), y),
+        "3-D weight": lambda: lt.linear_cross_entropy(x, w[None], y),
+        "list bias": lambda: lt.linear_cross_entropy(x, w, y, bias=b.tolist()),
+        "no labels": lambda: lt.linear_cross_entropy(x, w, None),
+        "no teacher_probs": lambda: lt.linear_distill(x, w, ids, None),
+        "list token_mask": lambda: lt.linear_distill(x, w, ids, p, token_mask=[1] * 6),
+    }[case]
+    with pytest.raises(exception, match=f"^{name}:"):
+        call()
+
+
 def test_create_graph_bias_gradient_of_a_bf16_head(monkeypatch):
     monkeypatch.setattr(lt, "_CAST_SLICE_BYTES", 64)
     x, w, b, y = linear_inputs(dtype=torch.bfloat16, v=300, h=8)
