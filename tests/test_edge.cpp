@@ -690,6 +690,32 @@ TEST_P(Edge, PerThreadWorkspaceFollowsTheThreadCount) {
   EXPECT_LT(minimum_with(1), minimum_with(2));
 }
 
+// A scalar upstream gradient may come as shape (1): it is read once, not once per token (here it
+// is the first element of a longer buffer whose other values would show if read).
+TEST_P(Edge, ScalarUpstreamOfShapeOne) {
+  Generator gen(307);
+  LossSetup s = setup();
+  s.upstream = {0.75};
+  for (const lmloss_reduction reduction : {LMLOSS_REDUCTION_MEAN, LMLOSS_REDUCTION_SUM}) {
+    SCOPED_TRACE(cat("reduction ", reduction));
+    lmloss_loss_options o = lmloss_loss_options_default();
+    o.reduction = reduction;
+    LossCase c(gen.problem({.n_tokens = 4, .vocab = 37, .hidden = 8}), o, s);
+    Buffer longer = Buffer::of_values(GetParam(), LMLOSS_F32, {0.75, 1000, -5000, 7e6}, 1, 4);
+    longer.upload();
+    lmloss_tensor upstream = longer.tensor();
+    upstream.shape[0] = 1;
+    ASSERT_EQ(c.invoke(ctx.get(), [&] {
+      const lmloss_head h = c.head();
+      const lmloss_targets t = c.targets();
+      const lmloss_grads g = c.grads();
+      const lmloss_tensor loss = c.loss_tensor(), lse = c.lse_tensor();
+      return lmloss_loss_forward_backward(ctx.get(), &h, &t, &c.options, &upstream, &loss, &lse, &g);
+    }), LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_matches_reference(c, Mode::forward_backward);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(, Edge, all_devices, ParamName{});
 
 }  // namespace

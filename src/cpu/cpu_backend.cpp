@@ -411,10 +411,14 @@ C teacher_prob(const LossCall& call, int64_t t, int64_t k) {
   return static_cast<const C*>(core::row_ptr(call.targets.teacher_probs, t))[k];
 }
 
+// Token t's upstream gradient: grad_loss[t] for reduction none, else its one element (a scalar
+// may come as shape () or (1)), 1 without it.
 template <typename C>
-C read_scalar_or(const lmloss_tensor& t, int64_t i, C fallback) {
-  if (!t.data) return fallback;
-  return static_cast<const C*>(t.data)[t.ndim == 0 ? 0 : i * core::row_stride(t)];
+C upstream_of(const LossCall& call, int64_t t) {
+  const lmloss_tensor& g = call.grad_loss;
+  if (!g.data) return C(1);
+  const bool per_token = call.options.reduction == LMLOSS_REDUCTION_NONE;
+  return static_cast<const C*>(g.data)[per_token ? t * core::row_stride(g) : 0];
 }
 
 // Row sums run in double: a vocabulary of 10^5 terms summed in f32 drifts past the f32 tolerance.
@@ -575,7 +579,7 @@ class LossRunner {
       return loss;
     }
 
-    const C upstream = C(read_scalar_or<C>(call.grad_loss, t, C(1)) * inv_divisor_);
+    const C upstream = C(upstream_of<C>(call, t) * inv_divisor_);
     const C p_coef = weights_.p_coef(upstream, lse, C(teacher_mass));
     const C offset = weights_.offset(upstream);
     if (scaled) {
