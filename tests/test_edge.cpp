@@ -382,6 +382,27 @@ TEST_P(Edge, LogitsMaskedWithMinusInfinity) {
   }
 }
 
+TEST_P(Edge, TeacherEntryOfZeroAtAMaskedLogit) {
+  // A teacher entry of probability 0 contributes nothing (0 log 0 = 0), also at an id the caller
+  // masked with -inf, where P (log P - s) would be 0 x inf.
+  Generator gen(313);
+  const int64_t n = 5, vocab = 97, k = 4;
+  reference::Problem p = gen.problem({.n_tokens = n, .vocab = vocab, .top_k = k});
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t id = p.teacher_ids[t * k + k - 1];
+    if (p.labels[t] == id) p.labels[t] = -100;
+    p.teacher_probs[t * k + k - 1] = 0;
+    p.logits[t * vocab + id] = -INFINITY;
+  }
+  lmloss_loss_options o = lmloss_loss_options_default();
+  o.ce_weight = 0.5;
+  o.kd_weight = 0.5;
+  check_every_mode(p, o, setup());
+  LossCase c(p, o, setup());
+  ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_TRUE(std::isfinite(c.loss.get(0))) << c.loss.get(0);
+}
+
 TEST_P(Edge, InfiniteLogitGivesInfiniteLse) {
   // A logit of +inf (an overflow upstream): its row's lse is +inf and so its loss (its label
   // elsewhere), with or without the z-loss (absent at 0, not 0 inf^2 = NaN); the other rows are as

@@ -88,4 +88,11 @@ LMLOSS_HOST_DEVICE T xlogx(T x) {
   return x > T(0) ? x * std::log(x) : T(0);
 }
 
+// A teacher entry's part of sum_k P_k (log P_k - s_k): nothing for P = 0, even at an id whose
+// logit is -inf (masked), where P s would be 0 x inf.
+template <typename T>
+LMLOSS_HOST_DEVICE T teacher_cross_term(T prob, T s) {
+  return prob != T(0) ? xlogx(prob) - prob * s : T(0);
+}
+
 }  // namespace lmloss::core

@@ -563,7 +563,7 @@ class LossRunner {
     for (int64_t i = 0; i < k && is_counted; ++i) {
       const C prob = teacher_prob<C>(call, t, i);
       saved[i] = z[teacher_id(call, t, i)];
-      teacher_cross += Accumulator(core::xlogx(prob) - prob * saved[i]);
+      teacher_cross += Accumulator(core::teacher_cross_term(prob, saved[i]));
       teacher_mass += Accumulator(prob);
     }
     C loss = 0;
