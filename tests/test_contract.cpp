@@ -1,6 +1,9 @@
 // The rules of docs/contract.md section 6 that every backend keeps, one test each, named after
 // the rule.
+#include <unistd.h>
+
 #include <cmath>
+#include <fstream>
 #include <string>
 
 #include "harness.hpp"
@@ -240,6 +243,41 @@ TEST_P(Contract, ReusedWorkspaceLeaksNothing) {
   ASSERT_EQ(clean.forward_backward(fresh.get()), LMLOSS_SUCCESS) << lmloss_last_error();
   EXPECT_TRUE(bitwise_equal(after_dirty, clean.output_values()));
   expect_matches_reference(clean, Mode::forward_backward);
+}
+
+// Resident bytes of this process (0 where /proc/self/statm is not to be had).
+size_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  size_t total_pages = 0, resident_pages = 0;
+  if (!(statm >> total_pages >> resident_pages)) return 0;
+  return resident_pages * size_t(sysconf(_SC_PAGESIZE));
+}
+
+// Rule 1 between calls: what a context keeps for reuse stays within its budget when a call of
+// another shape follows (its small pieces must not pin the last call's large blocks while it
+// maps new ones) and when the budget is lowered. Host memory, so the CPU backend's.
+TEST_P(Contract, HeldWorkspaceStaysWithinTheBudget) {
+  if (device() != Device::cpu) GTEST_SKIP() << "device memory is the allocator's to hold";
+  if (resident_bytes() == 0) GTEST_SKIP() << "no /proc/self/statm to read resident memory from";
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer's quarantine keeps freed memory resident";
+#endif
+  Generator gen(509);
+  const size_t budget = size_t(96) << 20, slack = size_t(16) << 20;
+  ctx.set_workspace_budget(budget);
+  LossCase logits(gen.problem({.n_tokens = 512, .vocab = 40000}), training_options(), setup());
+  LossCase linear(gen.problem({.n_tokens = 1024, .vocab = 16384, .hidden = 256, .bias = true}),
+                  training_options(), setup(LMLOSS_BF16));
+  const size_t before = resident_bytes();
+  ASSERT_EQ(logits.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  ASSERT_EQ(linear.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  const size_t after_two = resident_bytes();
+  EXPECT_LE(after_two, before + budget + slack)
+      << "held " << (after_two - before) / (1 << 20) << " MiB over a " << budget / (1 << 20) << " MiB budget";
+  ctx.set_workspace_budget(size_t(4) << 20);
+  LossCase small(gen.problem({.n_tokens = 8, .vocab = 1000, .hidden = 16}), training_options(), setup());
+  ASSERT_EQ(small.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_LE(resident_bytes(), before + (size_t(4) << 20) + slack) << "the pool kept blocks of the larger budget";
 }
 
 // Rule 8: the backend agrees with the float64 reference, and the comparison can fail: an

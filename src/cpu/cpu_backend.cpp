@@ -43,20 +43,24 @@ using core::WeightSumCall;
 // Host blocks the context keeps between calls. A call's pieces go back to the pool, so the next
 // call of the same shape reuses memory already mapped: fresh pages cost a fault and a zeroing
 // each, which was ~0.1x of the products for the small bench problem in bf16. What the pool holds
-// stays within the budget: blocks no call is using are dropped before it would grow past it.
+// stays within the budget: a piece reuses only a block of its own size (a larger one would hold
+// bytes the call's plan did not count, and a call of another shape could then pass the budget by
+// them), and blocks no call is using are dropped before the pool would grow past the budget, or
+// when it holds more than a budget since lowered.
 class HostPool final : public core::BackendState {
  public:
   void* acquire(size_t bytes, size_t budget) {
-    Block* best = nullptr;
+    if (held() > budget) drop_unused();
+    Block* same = nullptr;
     for (Block& b : blocks_)
-      if (!b.in_use && b.bytes >= bytes && (!best || b.bytes < best->bytes)) best = &b;
-    if (!best) {
+      if (!b.in_use && b.bytes == bytes) same = &b;
+    if (!same) {
       if (held() + bytes > budget) drop_unused();
       blocks_.push_back(Block{static_cast<std::byte*>(::operator new(bytes, std::align_val_t(64))), bytes, false});
-      best = &blocks_.back();
+      same = &blocks_.back();
     }
-    best->in_use = true;
-    return best->data;
+    same->in_use = true;
+    return same->data;
   }
   void release(void* data) {
     for (Block& b : blocks_)
