@@ -184,6 +184,21 @@ TEST_P(Contract, Deterministic) {
   }
 }
 
+// Rule 7 across contexts: a context left at the default thread count gives the same bits before
+// and after another context ran with a count of its own (the BLAS's count is the process's).
+TEST_P(Contract, DeterministicWhateverAnotherContextSet) {
+  if (device() != Device::cpu) GTEST_SKIP() << "threads are the CPU backend's setting";
+  Generator gen(510);
+  LossCase c(gen.problem({.n_tokens = 512, .vocab = 3000, .hidden = 700}), training_options(), setup());
+  ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  const std::vector<double> first = c.output_values();
+  lmloss::Context one_thread;
+  one_thread.set_num_threads(1);
+  ASSERT_EQ(c.forward_backward(one_thread.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_TRUE(bitwise_equal(c.output_values(), first));
+}
+
 // Rule 7 with product tuning on (lmloss_context_set_product_tuning): the tuned context agrees
 // with the reference, and once tuned, gives bitwise the same outputs call after call; the
 // tuning's trial products leave no trace in accumulated gradients. On the CPU tuning changes

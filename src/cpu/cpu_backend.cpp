@@ -803,8 +803,12 @@ class CpuBackend final : public core::Backend {
     }
   }
 
+  // OpenBLAS's thread count is the process's, and its products' bits depend on it: every call
+  // sets it, to the context's count or else to OpenBLAS's own default (read before any call set
+  // it), so that one context's setting never carries into another context's calls.
   static void set_blas_threads(const lmloss_context& context) {
-    if (context.num_threads > 0) openblas_set_num_threads(context.num_threads);
+    static const int default_threads = openblas_get_num_threads();
+    openblas_set_num_threads(context.num_threads > 0 ? context.num_threads : default_threads);
   }
 
   // The plans under `budget`: the context's, or one tried for the least that runs.
