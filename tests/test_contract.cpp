@@ -1,5 +1,6 @@
 // The rules of docs/contract.md section 6 that every backend keeps, one test each, named after
 // the rule.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -293,6 +294,45 @@ TEST_P(Contract, HeldWorkspaceStaysWithinTheBudget) {
   LossCase small(gen.problem({.n_tokens = 8, .vocab = 1000, .hidden = 16}), training_options(), setup());
   ASSERT_EQ(small.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
   EXPECT_LE(resident_bytes(), before + (size_t(4) << 20) + slack) << "the pool kept blocks of the larger budget";
+}
+
+// Address space this process has mapped (0 where /proc/self/statm is not to be had).
+size_t mapped_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  size_t total_pages = 0;
+  if (!(statm >> total_pages)) return 0;
+  return total_pages * size_t(sysconf(_SC_PAGESIZE));
+}
+
+// A call that fails for want of host memory writes nothing, a 16-bit dW it would add to included
+// (its f32 sum is widened over its own bytes). Here the address space is limited so that the
+// call gets the chunk of X converted to f32 (64 MiB) but not the f32 chunk of dX after it.
+TEST_P(Contract, OutOfMemoryWritesNothing) {
+  if (device() != Device::cpu) GTEST_SKIP() << "host memory is the CPU backend's";
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer maps more address space than a limit can leave";
+#endif
+  rlimit old{};
+  if (mapped_bytes() == 0 || getrlimit(RLIMIT_AS, &old) != 0) GTEST_SKIP() << "no address-space limit here";
+  Generator gen(511);
+  const int64_t n = 2048, vocab = 64, hidden = 8192;
+  LossSetup s = setup(LMLOSS_BF16);
+  s.grad_weight_initial.assign(size_t(vocab * hidden), 1.0);
+  lmloss_loss_options o = training_options();
+  o.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT;
+  LossCase c(gen.problem({.n_tokens = n, .vocab = vocab, .hidden = hidden}), o, s);
+  {
+    lmloss::Context warm;  // the BLAS's threads and buffers made outside the limit
+    ASSERT_EQ(c.forward_backward(warm.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  }
+  const size_t chunk = size_t(n) * size_t(hidden) * sizeof(float);
+  rlimit limited = old;
+  limited.rlim_cur = rlim_t(mapped_bytes() + chunk + chunk / 2);
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &limited), 0);
+  const lmloss_status status = c.forward_backward(ctx.get());
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &old), 0);
+  ASSERT_EQ(status, LMLOSS_ERROR_OUT_OF_MEMORY) << "the limit did not fall where this test meant it to";
+  for (const Buffer* b : c.outputs()) EXPECT_TRUE(b->untouched());
 }
 
 // Rule 8: the backend agrees with the float64 reference, and the comparison can fail: an

@@ -470,15 +470,17 @@ class LossRunner {
     if (dw_sum && !dw_kept) {
       own_tail = Workspace<C>(context_, size_t(vocab - split) * size_t(hidden));
       sum_tail = lmloss_tensor_2d(own_tail.get(), LMLOSS_F32, vocab - split, hidden, 0);
-      if (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT)
-        widen_weight_sum(g.grad_weight, split, vocab, hidden, sum_tail, threads_);
     }
-    const bool dw_one_matrix = dw_sum && core::weight_sum_is_one_matrix(g.grad_weight, sum_tail, split, hidden);
     if (wants_grads && g.grad_hidden.data && !dx_direct) dx = Workspace<C>(context_, size_t(plan_.chunk_rows) * size_t(hidden));
     if (wants_grads && g.grad_bias.data) {
       db = Workspace<C>(context_, size_t(vocab));
       std::fill(db.get(), db.get() + vocab, C(0));
     }
+    // The caller's 16-bit dW widened into its f32 sum in its own bytes only once every piece of
+    // workspace is had: a call that fails for memory writes nothing.
+    if (dw_sum && !dw_kept && (call.options.flags & LMLOSS_ACCUMULATE_GRAD_WEIGHT))
+      widen_weight_sum(g.grad_weight, split, vocab, hidden, sum_tail, threads_);
+    const bool dw_one_matrix = dw_sum && core::weight_sum_is_one_matrix(g.grad_weight, sum_tail, split, hidden);
 
     double loss_sum = 0;
     for (int64_t row0 = 0; row0 < n; row0 += plan_.chunk_rows) {
