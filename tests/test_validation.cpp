@@ -231,6 +231,18 @@ TEST_P(Validation, TopkKAboveVocabulary) {
   expect_topk_rejected(t, t.options, "options.k");
 }
 
+TEST_P(Validation, TopkVocabularyBeyondItsIds) {
+  // ids are i32: a vocabulary of 2^31 entries is refused before anything is read (the logits
+  // described here are far larger than the buffer behind them).
+  TopkCase t = topk_case();
+  expect_topk_rejected(t, t.options, "head.logits",
+                       [](lmloss_tensor&, lmloss_tensor&, lmloss_tensor&, lmloss_head& h) {
+                         h.logits.shape[0] = 1;
+                         h.logits.shape[1] = int64_t(1) << 31;
+                         h.logits.stride = 0;
+                       });
+}
+
 TEST_P(Validation, TopkRenormalizeNotZeroOrOne) {
   for (const int32_t bad : {2, -1}) {  // a flag in an int: any other value may mean anything
     SCOPED_TRACE(bad);

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <iterator>
@@ -466,6 +467,9 @@ lmloss_status validate_topk(const lmloss_head* head, const lmloss_topk_options* 
     return invalid("options.struct_size", "must be sizeof(lmloss_topk_options); initialise with LMLOSS_TOPK_OPTIONS_INIT");
   LMLOSS_CHECK(check_head(*head, call));
   call.options = *options;
+  if (call.vocab > INT32_MAX)
+    return invalid(call.linear ? "head.weight" : "head.logits",
+                   "vocabulary of " + std::to_string(call.vocab) + " entries: top-k's ids are i32, so at most 2^31 - 1");
   const int64_t k = options->k;
   if (k < 1 || k > call.vocab)
     return invalid("options.k", std::to_string(k) + " must be in [1, vocab = " + std::to_string(call.vocab) + "]");

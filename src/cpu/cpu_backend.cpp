@@ -179,7 +179,9 @@ Plan plan_head(size_t budget, bool linear, int64_t n_tokens, int64_t vocab, int6
       plan.weight_slice = vocab;
     }
   }
-  plan.chunk_rows = core::plan_chunk_rows(budget, plan.fixed_bytes, plan.bytes_per_row, n_tokens);
+  // The BLAS takes its sizes as 32-bit ints (OpenBLAS's blasint): a chunk of rows stays below 2^31.
+  plan.chunk_rows = std::min<int64_t>(core::plan_chunk_rows(budget, plan.fixed_bytes, plan.bytes_per_row, n_tokens),
+                                      std::numeric_limits<int32_t>::max());
   return plan;
 }
 
