@@ -83,13 +83,22 @@ def _real(value, name: str) -> float:
     return float(value)
 
 
-def _integer(value, name: str) -> int:
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _integer(value, name: str, bounds=_INT64) -> int:
+    """value as an int within bounds (the C type's range, so that the module's own conversion
+    never refuses it with a signature dump instead of the argument's name)."""
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected an integer, got bool")
     try:
-        return operator.index(value)
+        value = operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
+    low, high = bounds
+    if not low <= value <= high:
+        raise ValueError(f"{name}: {value} is outside [{low}, {high}]")
+    return value
 
 
 def _reduction(value) -> str:
@@ -352,7 +361,7 @@ def _grad_weight_dtype(value, x: Array) -> str:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.dtype):
         name = str(value).replace("torch.", "")
-    elif isinstance(value, str):
+    elif isinstance(value, str) and value in FLOAT_DTYPES:
         name = value
     else:
         try:
@@ -361,6 +370,9 @@ def _grad_weight_dtype(value, x: Array) -> str:
             raise TypeError(f"grad_weight_dtype: expected a dtype, got {value!r}") from None
     if name not in FLOAT_DTYPES:
         raise TypeError(f"grad_weight_dtype: expected one of {', '.join(FLOAT_DTYPES)}, got {name}")
+    if name == "bfloat16" and x.kind == "numpy":
+        raise TypeError("grad_weight_dtype: bfloat16 takes PyTorch tensors (NumPy has none of its "
+                        "own to return)")
     return name
 
 
@@ -567,7 +579,7 @@ def set_workspace_budget(nbytes: int) -> None:
     """Bounds the library's own working memory (logits chunks, scratch) on every device, for this
     thread and the threads that set none (see above). Default 1 GiB."""
     try:
-        _lmloss.set_workspace_budget(_integer(nbytes, "nbytes"))
+        _lmloss.set_workspace_budget(_integer(nbytes, "nbytes", (1, (1 << 64) - 1)))
     except _lmloss.Error as e:
         raise _translate(e) from None
 
@@ -598,7 +610,7 @@ def set_product_tuning(enabled: bool) -> None:
 def set_num_threads(num_threads: int) -> None:
     """CPU threads for the calls of this thread and of the threads that set none; 0: all cores."""
     try:
-        _lmloss.set_num_threads(_integer(num_threads, "num_threads"))
+        _lmloss.set_num_threads(_integer(num_threads, "num_threads", (0, (1 << 31) - 1)))
     except _lmloss.Error as e:
         raise _translate(e) from None
 

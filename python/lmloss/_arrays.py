@@ -121,6 +121,12 @@ def check_not_sharded(x, name: str) -> None:
 def as_array(x, name: str) -> Array:
     """Recognises one array argument, or raises TypeError naming it."""
     if isinstance(x, np.ndarray):
+        if x.dtype.kind not in "biuf" or not x.dtype.isnative:
+            hint = (" (NumPy has no bfloat16 of its own to export: pass a torch.bfloat16 tensor, "
+                    "or float32)" if x.dtype.name == "bfloat16" else "")
+            order = "" if x.dtype.isnative else ", not in the machine's byte order,"
+            raise TypeError(f"{name}: a NumPy array of dtype {x.dtype.name}{order} cannot cross "
+                            f"DLPack{hint}")
         return Array(name, x, "numpy", _identity)
     if _is_torch_tensor(x):
         check_not_sharded(x, name)

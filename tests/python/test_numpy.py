@@ -720,7 +720,7 @@ def test_a_setting_holds_on_the_threads_that_made_none(settings_restored):
     assert lmloss.workspace_budget() == 5 << 20
 
 
-@pytest.mark.parametrize("call,name", [(lambda: lmloss.set_workspace_budget(0), "bytes"),
+@pytest.mark.parametrize("call,name", [(lambda: lmloss.set_workspace_budget(0), "nbytes"),
                                        (lambda: lmloss.set_num_threads(-2), "num_threads")])
 def test_settings_checked_before_a_threads_first_call(call, name):
     out = _in_a_fresh_thread(call)
