@@ -8,6 +8,10 @@
 #
 #   bash scripts/sanitize.sh [BUILD_DIR]     # default build-sanitize
 set -euo pipefail
+case ${1:-} in
+  -h|--help) echo "usage: bash scripts/sanitize.sh [BUILD_DIR]   (default build-sanitize)"; exit 0 ;;
+  -*) echo "usage: bash scripts/sanitize.sh [BUILD_DIR]" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 root=$PWD
 BUILD=${1:-build-sanitize}

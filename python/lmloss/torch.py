@@ -28,7 +28,11 @@ from __future__ import annotations
 import math
 from typing import Optional, Tuple
 
-import torch
+try:
+    import torch
+except ImportError as e:
+    raise ImportError("lmloss.torch needs PyTorch: pip install torch (or lmloss[torch]); the "
+                      "NumPy functions are in lmloss itself") from e
 from torch import Tensor
 
 from . import _api
