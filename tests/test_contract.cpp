@@ -1,5 +1,6 @@
 // The rules of docs/contract.md section 6 that every backend keeps, one test each, named after
 // the rule.
+#include <cblas.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -198,6 +199,10 @@ TEST_P(Contract, DeterministicWhateverAnotherContextSet) {
   ASSERT_EQ(c.forward_backward(one_thread.get()), LMLOSS_SUCCESS) << lmloss_last_error();
   ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
   EXPECT_TRUE(bitwise_equal(c.output_values(), first));
+  // Nor into the application's own BLAS calls: its count is as it was.
+  const int application_threads = openblas_get_num_threads();
+  ASSERT_EQ(c.forward_backward(one_thread.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_EQ(openblas_get_num_threads(), application_threads);
 }
 
 // Rule 7 with product tuning on (lmloss_context_set_product_tuning): the tuned context agrees

@@ -876,6 +876,15 @@ TEST(CppApi, TensorHelpersDescribeTheView) {
   EXPECT_EQ(g.device_index, 2);
   EXPECT_EQ(g.stride, 6);
   EXPECT_EQ(m.device_type, LMLOSS_DEVICE_CPU) << "on_cuda changed the original view";
+  // Inputs held const describe as their type (the library only reads them).
+  const std::vector<double> inputs(6);
+  const lmloss::Tensor c = lmloss::Tensor::matrix(inputs.data(), 2, 3);
+  EXPECT_EQ(c.data, static_cast<const void*>(inputs.data()));
+  EXPECT_EQ(c.dtype, LMLOSS_F64);
+  const int64_t ids[2] = {};
+  EXPECT_EQ(lmloss::Tensor::vector(ids, 2).dtype, LMLOSS_I64);
+  const float one = 1;
+  EXPECT_EQ(lmloss::Tensor::scalar(&one).dtype, LMLOSS_F32);
 }
 
 }  // namespace

@@ -48,7 +48,8 @@ typedef enum lmloss_status {
                                         inputs or each other: nothing written */
   LMLOSS_ERROR_UNSUPPORTED = 2,      /* valid, but not in this build or on this backend */
   LMLOSS_ERROR_OUT_OF_MEMORY = 3,    /* workspace could not be allocated: nothing written */
-  LMLOSS_ERROR_ID_OUT_OF_RANGE = 4,  /* a label or teacher id found out of range on the device */
+  LMLOSS_ERROR_ID_OUT_OF_RANGE = 4,  /* a label or teacher id found out of range on the device (on
+                                        the CPU the call returns INVALID_ARGUMENT instead) */
   LMLOSS_ERROR_BACKEND = 5,          /* the BLAS, CUDA or cuBLASLt call failed */
   LMLOSS_ERROR_INTERNAL = 6,
   LMLOSS_STATUS_COUNT
@@ -138,7 +139,10 @@ LMLOSS_API lmloss_status lmloss_context_get_workspace_budget(const lmloss_contex
 LMLOSS_API lmloss_status lmloss_context_get_peak_workspace(const lmloss_context* context,
                                                            size_t* bytes);
 LMLOSS_API lmloss_status lmloss_context_reset_peak_workspace(lmloss_context* context);
-/* CPU threads for the row kernels and the BLAS; 0 = all cores (default). */
+/* CPU threads for the row kernels and the BLAS; 0 = all cores for the row kernels and the BLAS's
+ * own count (default). OpenBLAS's count is the process's: a call of a context with a count sets it
+ * for the call and puts the previous one back, so contexts of different counts used at once from
+ * several threads may run their products with either count (the same values to rounding). */
 LMLOSS_API lmloss_status lmloss_context_set_num_threads(lmloss_context* context, int num_threads);
 
 /* CUDA: the stream (a cudaStream_t; NULL = the legacy default stream) on which calls enqueue work.
@@ -216,7 +220,8 @@ typedef struct lmloss_loss_options {
   /* Since 0.2 (a caller built against 0.1 passes the smaller struct_size and gets none). An
    * output, here as lmloss_grads has no size field to grow by: the f32 tail of a 16-bit
    * grad_weight's kept sum (see LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS); absent (data NULL) by default.
-   * Read when grads.grad_weight is written, ignored otherwise. */
+   * Read when grads.grad_weight is written; a backward or fused call given one without
+   * grads.grad_weight is refused, a forward ignores it. */
   lmloss_tensor grad_weight_sum_tail;
 } lmloss_loss_options;
 
@@ -239,7 +244,8 @@ typedef struct lmloss_head {
 } lmloss_head;
 
 /* What each token is scored against. Labels are needed when ce_weight != 0, the teacher's top-k
- * when kd_weight != 0; at least one of labels and token_mask says which tokens count. */
+ * when kd_weight != 0. A token counts unless its label is ignore_index or its mask is 0 (with
+ * neither given, every token counts). */
 typedef struct lmloss_targets {
   lmloss_tensor labels;        /* (n_tokens) i32 or i64, in [0, vocab) or ignore_index */
   lmloss_tensor teacher_ids;   /* (n_tokens, top_k) i32 or i64, in [0, vocab) */
@@ -248,8 +254,8 @@ typedef struct lmloss_targets {
 } lmloss_targets;
 
 /* Gradients wanted: leave a tensor absent (data NULL) to skip it. Float tensors of the input's
- * dtype or f32; grad_logits has the logits' dtype and may be the logits themselves (same data and
- * stride: the gradient is then written in place). */
+ * dtype or f32 (f64 for f64 inputs); grad_logits has the logits' dtype and may be the logits
+ * themselves (same data and stride: the gradient is then written in place). */
 typedef struct lmloss_grads {
   lmloss_tensor grad_logits; /* (n_tokens, vocab), logits inputs only */
   lmloss_tensor grad_hidden; /* (n_tokens, hidden) */
@@ -311,9 +317,10 @@ LMLOSS_API lmloss_status lmloss_topk(lmloss_context* context, const lmloss_head*
 /* out = grad * scale, computed in f32 (f64 for an f64 grad) and rounded once into out's dtype: for
  * a framework whose fused step formed the gradients for an upstream gradient of 1 (a 16-bit head's
  * dW kept in f32, dX in the head's dtype), once the real upstream gradient is known. grad: any
- * float dtype (f64 on the CPU only), rank 0-2; out: the same shape, any float dtype, not
- * overlapping grad unless it is grad itself; scale: one element of the product's dtype (f32, or
- * f64 for an f64 grad) on grad's device, or NULL for 1. On the context's stream; nothing waits. */
+ * float dtype (f64 on the CPU only), rank 0-2, a vector contiguous; out: the same shape, any
+ * float dtype, not overlapping grad unless it is grad itself; scale: one element of the product's
+ * dtype (f32, or f64 for an f64 grad) on grad's device, or NULL for 1. On the context's stream;
+ * nothing waits. */
 LMLOSS_API lmloss_status lmloss_scale_gradient(lmloss_context* context, const lmloss_tensor* grad,
                                                const lmloss_tensor* scale, const lmloss_tensor* out);
 

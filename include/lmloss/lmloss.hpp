@@ -1,11 +1,15 @@
 // lmloss — the C++ API: a thin layer over lmloss.h. RAII for the context, lmloss::Error for a
 // failed call, typed views for tensors, and one named function per operation.
 //
+//   using lmloss::Tensor;
 //   lmloss::Context ctx;
 //   float loss;
 //   lmloss::linear_cross_entropy(ctx, {Tensor::matrix(x, n_tokens, hidden), Tensor::matrix(w, vocab, hidden)},
 //                                Tensor::vector(labels, n_tokens), lmloss::LossOptions{},
-//                                Tensor::scalar(&loss), Tensor{}, {.grad_hidden = Tensor::matrix(dx, n_tokens, hidden)});
+//                                Tensor::scalar(&loss), Tensor{}, {Tensor::matrix(dx, n_tokens, hidden)});
+//
+// C++17 (CUDA sources include it too). Inputs may be const: a view of a const T* describes
+// memory the library only reads.
 #pragma once
 
 #include <cstddef>
@@ -57,19 +61,19 @@ struct Tensor : lmloss_tensor {
                        int64_t row_stride = 0) {
     return lmloss_tensor_2d(data, dtype, rows, cols, row_stride);
   }
-  // Typed views.
+  // Typed views (of const data too: lmloss_tensor's pointer is not const, as outputs share it).
   template <typename T> static Tensor scalar(T* data) {
-    return scalar(static_cast<void*>(data), dtype_of<T>::value);
+    return scalar(untyped(data), dtype_of<std::remove_cv_t<T>>::value);
   }
   // (The size is a template parameter so that an lmloss_dtype, an enum, never binds to it: a
-  // uint8_t* with a dtype is the untyped overload above. C++17, so CUDA sources can include it.)
+  // uint8_t* with a dtype is the untyped overload above.)
   template <typename T, typename Size, std::enable_if_t<std::is_integral_v<Size>, int> = 0>
   static Tensor vector(T* data, Size n) {
-    return vector(static_cast<void*>(data), dtype_of<T>::value, int64_t(n));
+    return vector(untyped(data), dtype_of<std::remove_cv_t<T>>::value, int64_t(n));
   }
   template <typename T, typename Size, std::enable_if_t<std::is_integral_v<Size>, int> = 0>
   static Tensor matrix(T* data, Size rows, int64_t cols, int64_t row_stride = 0) {
-    return matrix(static_cast<void*>(data), dtype_of<T>::value, int64_t(rows), cols, row_stride);
+    return matrix(untyped(data), dtype_of<std::remove_cv_t<T>>::value, int64_t(rows), cols, row_stride);
   }
   // The same view, on a CUDA device.
   Tensor on_cuda(int32_t index = 0) const {
@@ -79,6 +83,11 @@ struct Tensor : lmloss_tensor {
     return t;
   }
   bool present() const { return data != nullptr; }
+
+ private:
+  template <typename T> static void* untyped(T* data) {
+    return const_cast<void*>(static_cast<const volatile void*>(data));
+  }
 };
 
 class Context {
@@ -128,8 +137,8 @@ struct LossOptions : lmloss_loss_options {
 };
 
 struct TopkOptions : lmloss_topk_options {
-  explicit TopkOptions(int64_t k = 1) : lmloss_topk_options(lmloss_topk_options_default()) {
-    this->k = k;
+  explicit TopkOptions(int64_t top_k = 1) : lmloss_topk_options(lmloss_topk_options_default()) {
+    k = top_k;
   }
 };
 

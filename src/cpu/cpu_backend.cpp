@@ -761,14 +761,14 @@ class CpuBackend final : public core::Backend {
   }
 
   lmloss_status run(lmloss_context& context, const LossCall& call) override {
-    set_blas_threads(context);
+    const BlasThreads blas_threads(context);
     const Plan plan = plan_loss(context, call, context.workspace_budget);
     if (call.compute_dtype == LMLOSS_F64) return LossRunner<double>(context, call, plan).run();
     return LossRunner<float>(context, call, plan).run();
   }
 
   lmloss_status run(lmloss_context& context, const TopkCall& call) override {
-    set_blas_threads(context);
+    const BlasThreads blas_threads(context);
     const Plan plan = plan_topk(context, call, context.workspace_budget);
     if (call.compute_dtype == LMLOSS_F64) return run_topk<double>(context, call, plan);
     return run_topk<float>(context, call, plan);
@@ -807,13 +807,28 @@ class CpuBackend final : public core::Backend {
     }
   }
 
-  // OpenBLAS's thread count is the process's, and its products' bits depend on it: every call
-  // sets it, to the context's count or else to OpenBLAS's own default (read before any call set
-  // it), so that one context's setting never carries into another context's calls.
-  static void set_blas_threads(const lmloss_context& context) {
-    static const int default_threads = openblas_get_num_threads();
-    openblas_set_num_threads(context.num_threads > 0 ? context.num_threads : default_threads);
-  }
+  // OpenBLAS's thread count is the process's, and its products' bits depend on it: a call on a
+  // context with a count of its own sets it for the call's length and puts the caller's back
+  // after, so that no context's setting carries into another's calls or into the application's
+  // own BLAS calls. A context at the default (0) runs with the count the application has.
+  class BlasThreads {
+   public:
+    explicit BlasThreads(const lmloss_context& context) : saved_(openblas_get_num_threads()) {
+      if (context.num_threads > 0 && context.num_threads != saved_) {
+        openblas_set_num_threads(context.num_threads);
+        restore_ = true;
+      }
+    }
+    ~BlasThreads() {
+      if (restore_) openblas_set_num_threads(saved_);
+    }
+    BlasThreads(const BlasThreads&) = delete;
+    BlasThreads& operator=(const BlasThreads&) = delete;
+
+   private:
+    int saved_;
+    bool restore_ = false;
+  };
 
   // The plans under `budget`: the context's, or one tried for the least that runs.
   static Plan plan_loss(const lmloss_context& context, const LossCall& call, size_t budget) {
