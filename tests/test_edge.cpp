@@ -403,6 +403,32 @@ TEST_P(Edge, TeacherEntryOfZeroAtAMaskedLogit) {
   EXPECT_TRUE(std::isfinite(c.loss.get(0))) << c.loss.get(0);
 }
 
+TEST_P(Edge, MaskBytesOtherThanZeroAllCount) {
+  // Only 0 leaves a token out: a mask of 2s and 255s gives bitwise what one of 1s gives.
+  Generator gen(314);
+  reference::Problem p = gen.problem({.n_tokens = 6, .vocab = 211, .hidden = 8, .mask = true});
+  for (int64_t t = 0; t < 6; ++t) p.token_mask[t] = t == 1 ? 0 : 1;
+  LossCase ones(p, some_options(), setup());
+  ASSERT_EQ(ones.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  for (int64_t t = 0; t < 6; ++t) p.token_mask[t] = t == 1 ? 0 : t % 2 ? 2 : 255;
+  LossCase bytes(p, some_options(), setup());
+  ASSERT_EQ(bytes.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  EXPECT_TRUE(bitwise_equal(ones.output_values(), bytes.output_values()));
+}
+
+TEST_P(Edge, DistillationOverTheWholeVocabulary) {
+  // A teacher of k = V entries: every id once.
+  Generator gen(315);
+  const int64_t vocab = 37;
+  reference::Problem p = gen.problem({.n_tokens = 4, .vocab = vocab, .labels = false, .top_k = vocab});
+  for (int64_t t = 0; t < 4; ++t)
+    for (int64_t k = 0; k < vocab; ++k) p.teacher_ids[t * vocab + k] = (k * 7 + t) % vocab;
+  lmloss_loss_options o = lmloss_loss_options_default();
+  o.ce_weight = 0;
+  o.kd_weight = 1;
+  check_every_mode(p, o, setup());
+}
+
 TEST_P(Edge, InfiniteLogitGivesInfiniteLse) {
   // A logit of +inf (an overflow upstream): its row's lse is +inf and so its loss (its label
   // elsewhere), with or without the z-loss (absent at 0, not 0 inf^2 = NaN); the other rows are as

@@ -97,6 +97,24 @@ TEST_P(ScaleGradient, InPlace) {
     ASSERT_EQ(grad.get(i), expected(dtype(), round_to(dtype(), g[i]), -1.5)) << "element " << i;
 }
 
+// float16's largest value: 65504 and 65519 round to it, 65520 (halfway to the next step) rounds
+// to infinity, to nearest even as everywhere else.
+TEST_P(ScaleGradient, Float16RoundsAtItsLargestValue) {
+  if (dtype() != LMLOSS_F16) GTEST_SKIP() << "a float16 out only";
+  Buffer grad = Buffer::of_values(device(), LMLOSS_F32, {65504, 65519, 65520, -65520}, 1, 4);
+  Buffer out(device(), LMLOSS_F16, 1, 4);
+  grad.upload();
+  out.upload();
+  const lmloss_tensor grad_t = grad.tensor(), out_t = out.tensor();
+  ASSERT_EQ(lmloss_scale_gradient(ctx.get(), &grad_t, nullptr, &out_t), LMLOSS_SUCCESS) << lmloss_last_error();
+  ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+  out.download();
+  EXPECT_EQ(out.get(0), 65504.0);
+  EXPECT_EQ(out.get(1), 65504.0);
+  EXPECT_EQ(out.get(2), INFINITY);
+  EXPECT_EQ(out.get(3), -INFINITY);
+}
+
 // Each bad argument: LMLOSS_ERROR_INVALID_ARGUMENT, a message naming it, out untouched.
 TEST_P(ScaleGradient, BadArgumentsChangeNothing) {
   const std::vector<double> g = gradient_values(8 * 16);

@@ -714,6 +714,22 @@ TEST_P(Validation, RoundGradWeightArguments) {
     return lmloss_round_grad_weight(ctx.get(), &g, &t, &b);
   });
   EXPECT_EQ(lmloss_round_grad_weight(nullptr, &g, &t, &s), LMLOSS_ERROR_INVALID_ARGUMENT);
+  {  // an odd vocabulary: a tail one row short of vocab - vocab / 2 would put 8 f32 rows (128
+     // bytes) into the 120 bytes of 15 bf16 rows of 4
+    Buffer odd(device(), LMLOSS_BF16, 2, 15, 4);
+    Buffer short_tail(device(), LMLOSS_F32, 2, 7, 4);
+    for (Buffer* b : {&odd, &short_tail}) {
+      b->poison();
+      b->upload();
+    }
+    const lmloss_tensor o = odd.tensor(), st = short_tail.tensor();
+    EXPECT_EQ(lmloss_round_grad_weight(ctx.get(), &o, &st, nullptr), LMLOSS_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(lmloss_last_error()).rfind("tail", 0), 0u) << lmloss_last_error();
+    for (Buffer* b : {&odd, &short_tail}) {
+      b->download();
+      EXPECT_TRUE(untouched(*b));
+    }
+  }
 }
 
 // `t` moved `elements` further into its buffer, its shape and stride kept.
