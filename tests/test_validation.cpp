@@ -217,6 +217,15 @@ TEST_P(Validation, StrideBelowRowLength) {
                        [](lmloss_tensor&, lmloss_tensor&, lmloss_tensor&, lmloss_head& h) {
                          h.logits.stride = 1;
                        });
+  {  // a stride equal to the row length is the contiguous layout, spelled out: taken
+    LossCase c = logits_case();
+    LossArgs a = args_of(c);
+    a.head.logits.stride = a.head.logits.shape[1];
+    a.grads.grad_logits.stride = a.grads.grad_logits.shape[1];
+    EXPECT_EQ(c.invoke(ctx.get(), [&] { return call(ctx.get(), Mode::forward_backward, a); }), LMLOSS_SUCCESS)
+        << lmloss_last_error();
+    expect_matches_reference(c, Mode::forward_backward);
+  }
 }
 
 TEST_P(Validation, TopkKZero) {
