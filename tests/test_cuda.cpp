@@ -1195,6 +1195,40 @@ TEST_F(Cuda, TopkCapturedInAGraphReplaysOnTheBuffersContents) {
   cudaStreamDestroy(stream);
 }
 
+// Top-k above the shared-memory sort's capacity over more than 500 rows in one launch (where CUB's
+// segmented merge sort would copy to the host and wait): the call is captured into a graph, so it
+// never syncs, and the graph gives what the direct call gave.
+TEST_F(Cuda, TopkBeyondSharedMemoryOverManyRowsIsCaptured) {
+  Generator gen(4044);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  lmloss_topk_options o = lmloss_topk_options_default();
+  o.k = 9000;
+  o.renormalize = 0;
+  TopkCase c(gen.problem({.n_tokens = 600, .vocab = 12011}), o, {.device = Device::cuda});
+  lmloss::Context ctx;
+  ctx.set_stream(stream);
+  auto work = [&] {
+    const lmloss_head h = c.head();
+    const lmloss_tensor ids_t = c.ids.tensor(), probs_t = c.probs.tensor(), tail_t = c.tail.tensor();
+    return lmloss_topk(ctx.get(), &h, &c.options, &ids_t, &probs_t, &tail_t);
+  };
+  auto outputs = [&] {
+    std::vector<double> v = c.probs.values();
+    for (const int64_t id : c.ids.ids()) v.push_back(double(id));
+    return v;
+  };
+  ASSERT_EQ(c.invoke(ctx.get(), work), LMLOSS_SUCCESS) << lmloss_last_error();
+  expect_topk_matches_reference(c, 0);
+  const std::vector<double> direct = outputs();
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(c.invoke(ctx.get(), [&] { return capture_and_launch(stream, &exec, work); }), LMLOSS_SUCCESS)
+      << lmloss_last_error();
+  EXPECT_TRUE(bitwise_equal(direct, outputs()));
+  if (exec) cudaGraphExecDestroy(exec);
+  cudaStreamDestroy(stream);
+}
+
 struct CountingAllocator {
   int allocs = 0, frees = 0;
   size_t largest = 0;

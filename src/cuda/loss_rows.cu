@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
                                   : scale.apply(bias ? to_float(z[id]) + bias[id] : to_float(z[id]));
         const float p = a.teacher_probs[t * a.teacher_probs_ld + k];
         sparse[1 + k] = s;
-        teacher_cross += core::xlogx(p) - p * s;
+        teacher_cross += core::teacher_cross_term(p, s);
         teacher_mass += p;
       }
       teacher_cross = block_reduce(teacher_cross, Sum{}, 0.f, sum_scratch);

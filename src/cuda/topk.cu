@@ -6,7 +6,7 @@
 #include <climits>
 #include <cmath>
 
-#include <cub/device/device_segmented_sort.cuh>
+#include <cub/device/device_segmented_radix_sort.cuh>
 #include <cuda_pipeline.h>
 
 #include "cuda/topk_keys.cuh"
@@ -862,12 +862,16 @@ __global__ void __launch_bounds__(kTopkRowsThreads) topk_redo_kernel(const TopkK
   }
 }
 
+// The candidates of k > kCapacity sorted a row (segment) at a time by CUB's segmented radix sort:
+// its segmented merge sort splits more than 500 segments into groups whose sizes it copies to the
+// host and waits for, a host sync (and a broken graph capture) inside the call. rows * k < 2^31
+// (the callers' chunks are capped so): its sizes are ints.
 size_t cub_temp_bytes(int64_t rows, int64_t k) {
   size_t temp = 0;
-  cub::DeviceSegmentedSort::SortKeysDescending(nullptr, temp, static_cast<const uint64_t*>(nullptr),
-                                               static_cast<uint64_t*>(nullptr), rows * k, rows,
-                                               static_cast<const int64_t*>(nullptr),
-                                               static_cast<const int64_t*>(nullptr) + 1);
+  cub::DeviceSegmentedRadixSort::SortKeysDescending(nullptr, temp, static_cast<const uint64_t*>(nullptr),
+                                                    static_cast<uint64_t*>(nullptr), int(rows * k), int(rows),
+                                                    static_cast<const int64_t*>(nullptr),
+                                                    static_cast<const int64_t*>(nullptr) + 1);
   return temp;
 }
 
@@ -1011,9 +1015,9 @@ lmloss_status launch_topk_rows(TopkRowsArgs a, void* scratch, cudaStream_t strea
 
   segment_offsets_kernel<<<(a.rows + 256) / 256, 256, 0, stream>>>(offsets, a.rows, a.k);
   LMLOSS_CUDA_LAUNCHED("segment_offsets_kernel");
-  LMLOSS_CUDA_TRY(cub::DeviceSegmentedSort::SortKeysDescending(
-      temp, temp_bytes, static_cast<const uint64_t*>(a.sorted_scratch), keys_out, a.rows * a.k, a.rows,
-      static_cast<const int64_t*>(offsets), static_cast<const int64_t*>(offsets) + 1, stream));
+  LMLOSS_CUDA_TRY(cub::DeviceSegmentedRadixSort::SortKeysDescending(
+      temp, temp_bytes, static_cast<const uint64_t*>(a.sorted_scratch), keys_out, int(a.rows * a.k), int(a.rows),
+      static_cast<const int64_t*>(offsets), static_cast<const int64_t*>(offsets) + 1, 0, 64, stream));
   topk_finish_kernel<<<row_grid(a.rows), kTopkThreads, 0, stream>>>(a, keys_out);
   LMLOSS_CUDA_LAUNCHED("topk_finish_kernel");
   return LMLOSS_SUCCESS;
