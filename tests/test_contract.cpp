@@ -266,13 +266,16 @@ TEST_P(Contract, ReusedWorkspaceLeaksNothing) {
   expect_matches_reference(clean, Mode::forward_backward);
 }
 
-// Resident bytes of this process (0 where /proc/self/statm is not to be had).
-size_t resident_bytes() {
+// This process's memory from /proc/self/statm, in bytes: field 0 what it has mapped, field 1 what
+// is resident (0 where the file is not to be had).
+size_t statm_bytes(int field) {
   std::ifstream statm("/proc/self/statm");
-  size_t total_pages = 0, resident_pages = 0;
-  if (!(statm >> total_pages >> resident_pages)) return 0;
-  return resident_pages * size_t(sysconf(_SC_PAGESIZE));
+  size_t pages[2] = {};
+  if (!(statm >> pages[0] >> pages[1])) return 0;
+  return pages[field] * size_t(sysconf(_SC_PAGESIZE));
 }
+size_t resident_bytes() { return statm_bytes(1); }
+size_t mapped_bytes() { return statm_bytes(0); }
 
 // Rule 1 between calls: what a context keeps for reuse stays within its budget when a call of
 // another shape follows (its small pieces must not pin the last call's large blocks while it
@@ -299,14 +302,6 @@ TEST_P(Contract, HeldWorkspaceStaysWithinTheBudget) {
   LossCase small(gen.problem({.n_tokens = 8, .vocab = 1000, .hidden = 16}), training_options(), setup());
   ASSERT_EQ(small.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
   EXPECT_LE(resident_bytes(), before + (size_t(4) << 20) + slack) << "the pool kept blocks of the larger budget";
-}
-
-// Address space this process has mapped (0 where /proc/self/statm is not to be had).
-size_t mapped_bytes() {
-  std::ifstream statm("/proc/self/statm");
-  size_t total_pages = 0;
-  if (!(statm >> total_pages)) return 0;
-  return total_pages * size_t(sysconf(_SC_PAGESIZE));
 }
 
 // A call that fails for want of host memory writes nothing, a 16-bit dW it would add to included

@@ -567,8 +567,7 @@ def _check_head(weight, bias) -> None:
 
 
 def _lead_rows(t, name: str):
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _tensor(t, name)
     if t.dim() < 1:
         raise ValueError(f"{name}: expected shape (..., {'hidden' if name == 'hidden' else 'vocab'}), got a scalar")
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]), tuple(t.shape[:-1])

@@ -283,12 +283,8 @@ lmloss_status check_weight_sum(const lmloss_tensor& grad_weight, const char* gra
   if (split > 0 && !weight_sum_fits_in_place(grad_weight, hidden))
     return invalid(grad_name, "holds rows of the f32 sum, so its rows must be dense (row stride = hidden) and its "
                               "data 16-byte aligned; a tail of vocab rows leaves its bytes alone");
-  const auto begin = [](const lmloss_tensor& t) { return reinterpret_cast<uintptr_t>(t.data); };
-  const auto end = [&](const lmloss_tensor& t, size_t size) {
-    return begin(t) + size * size_t(row_stride(t)) * size_t(t.shape[0] - 1) + size * size_t(t.shape[1]);
-  };
   if (tail.device_type == grad_weight.device_type && tail.device_index == grad_weight.device_index &&
-      begin(tail) < end(grad_weight, dtype_size(grad_weight.dtype)) && begin(grad_weight) < end(tail, sizeof(float)))
+      share_bytes(tail, grad_weight))
     return invalid(tail_name, "overlaps grads.grad_weight");
   return LMLOSS_SUCCESS;
 }
