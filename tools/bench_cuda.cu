@@ -7,9 +7,9 @@
 //
 // Built with -DLMLOSS_BENCH_CUDA_MAIN the file is instead a program of its own that times every
 // mode of the issue on one preset (fused fwd+bwd with dX and dW, dX only, forward only, top-k,
-// top-k distillation; and `seedtopkK`, the seed's top-k scheme that top-k is held to) against its
-// own floor of bare products, and the fused step over a range of workspace budgets; CUDA events,
-// L2 flushed before every timed run, median of the repeats.
+// top-k distillation as `distillK` for a teacher's k ids; and `seedtopkK`, the seed's top-k scheme
+// that top-k is held to) against its own floor of bare products, and the fused step over a range
+// of workspace budgets; CUDA events, L2 flushed before every timed run, median of the repeats.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -277,6 +277,12 @@ struct DeviceBuffer {
     return *this;
   }
 };
+
+// The benchmark's inputs' generator (an LCG; its high bits).
+uint64_t next_random(uint64_t& state) {
+  state = state * 6364136223846793005ull + 1442695040888963407ull;
+  return state >> 33;
+}
 
 // Writes over a buffer larger than the L2 so a timed run starts with a cold cache.
 class L2Flush {
@@ -650,26 +656,10 @@ class ModesBench {
     w_ = DeviceBuffer(v * h * es);
     fill_normal(x_.ptr, dt, n * h, 1, 1.f);
     fill_normal(w_.ptr, dt, v * h, 2, 2.f / std::sqrt(float(h)));
-    std::vector<int32_t> labels(n), ids(n * kTeacherK);
-    std::vector<float> probs(n * kTeacherK);
+    std::vector<int32_t> labels(n);
     uint64_t state = 12345;
-    auto next = [&] {
-      state = state * 6364136223846793005ull + 1442695040888963407ull;
-      return state >> 33;
-    };
-    for (int64_t t = 0; t < n; ++t) {
-      labels[t] = int32_t(next() % v);
-      const int64_t base = int64_t(next() % v);
-      double mass = 0;
-      for (int k = 0; k < kTeacherK; ++k) mass += probs[t * kTeacherK + k] = float(next() % 1000 + 1);
-      for (int k = 0; k < kTeacherK; ++k) {
-        ids[t * kTeacherK + k] = int32_t((base + int64_t(k) * 7919) % v);  // distinct: 7919 is prime
-        probs[t * kTeacherK + k] = float(probs[t * kTeacherK + k] / mass);
-      }
-    }
+    for (int64_t t = 0; t < n; ++t) labels[t] = int32_t(next_random(state) % v);
     labels_ = upload(labels.data(), labels.size() * 4);
-    ids_ = upload(ids.data(), ids.size() * 4);
-    probs_ = upload(probs.data(), probs.size() * 4);
     dx_ = DeviceBuffer(n * h * es);
     dw_ = DeviceBuffer(v * h * 4 + kDwTailGap);
     loss_ = DeviceBuffer(4);
@@ -1165,7 +1155,9 @@ class ModesBench {
     ctx.set_stream(stream_);
     ctx.set_product_tuning(tune_);
     if (budget) ctx.set_workspace_budget(budget);
-    const bool distill = mode == "distill64";
+    // distillK: top-k distillation against a teacher's k ids (ce_weight 0, kd_weight 1).
+    const bool distill = mode.rfind("distill", 0) == 0;
+    const int64_t teacher_k = distill ? std::stoll(mode.substr(7)) : 0;
     const bool want_dw = mode == "fwd_bwd" || distill;
     const bool want_dx = want_dw || mode == "dx_only";
     lmloss_loss_options o = lmloss_loss_options_default();
@@ -1182,8 +1174,8 @@ class ModesBench {
     const lmloss_tensor labels = dev_vector(labels_.ptr, LMLOSS_I32, n_);
     const lmloss_tensor none = lmloss_tensor_none();
     const lmloss_targets targets =
-        distill ? make_targets(labels, dev_matrix(ids_.ptr, LMLOSS_I32, n_, kTeacherK),
-                               dev_matrix(probs_.ptr, LMLOSS_F32, n_, kTeacherK))
+        distill ? make_targets(labels, dev_matrix(teacher(teacher_k).first.ptr, LMLOSS_I32, n_, teacher_k),
+                               dev_matrix(teacher(teacher_k).second.ptr, LMLOSS_F32, n_, teacher_k))
                 : make_targets(labels, none, none);
     const lmloss_grads g = make_grads(none, want_dx ? dev_matrix(dx_.ptr, dt_, n_, h_) : none,
                                       want_dw ? dev_matrix(dw_.ptr, dw_dtype_, v_, h_) : none);
@@ -1205,6 +1197,30 @@ class ModesBench {
     if (!std::isfinite(l)) throw std::runtime_error(mode + ": the loss is not finite");
     return {mode, double(ctx.workspace_budget()) / double(1 << 30), ms, last_floor_ms_,
             double(ctx.peak_workspace()) / double(1 << 30), repeats_, last_clocks_};
+  }
+
+  // A teacher's top k for every token, made once per k: distinct ids, from a random base in
+  // strides of a prime, with random probabilities summing to 1.
+  const std::pair<DeviceBuffer, DeviceBuffer>& teacher(int64_t k) {
+    auto found = teachers_.find(k);
+    if (found != teachers_.end()) return found->second;
+    if (k < 1 || k > v_) throw std::runtime_error("distill" + std::to_string(k) + ": k must be in [1, vocab]");
+    std::vector<int32_t> ids(n_ * k);
+    std::vector<float> probs(n_ * k);
+    uint64_t state = 12345 + uint64_t(k);
+    for (int64_t t = 0; t < n_; ++t) {
+      const int64_t base = int64_t(next_random(state) % v_);
+      double mass = 0;
+      for (int64_t e = 0; e < k; ++e) mass += probs[t * k + e] = float(next_random(state) % 1000 + 1);
+      for (int64_t e = 0; e < k; ++e) {
+        ids[t * k + e] = int32_t((base + e * 7919) % v_);  // distinct while k <= vocab: 7919 is prime
+        probs[t * k + e] = float(probs[t * k + e] / mass);
+      }
+    }
+    auto& made = teachers_[k];
+    made.first = upload(ids.data(), ids.size() * 4);
+    made.second = upload(probs.data(), probs.size() * 4);
+    return made;
   }
 
   // lmloss_topk of the head into topk_ids_ and topk_probs_, on ctx's stream.
@@ -1269,7 +1285,6 @@ class ModesBench {
             double(logits.bytes) / double(1 << 30), repeats_, last_clocks_};
   }
 
-  static constexpr int kTeacherK = 64;
   static constexpr int kTopkMax = 2048;
 
  private:
@@ -1286,7 +1301,8 @@ class ModesBench {
   Products products_;
   Products side_products_;              // its own handle and workspace, for side_stream_
   L2Flush flush_;
-  DeviceBuffer x_, w_, labels_, ids_, probs_, dx_, dw_, loss_, topk_ids_, topk_probs_, z_;
+  DeviceBuffer x_, w_, labels_, dx_, dw_, loss_, topk_ids_, topk_probs_, z_;
+  std::map<int64_t, std::pair<DeviceBuffer, DeviceBuffer>> teachers_;  // k -> (ids, probs)
   double last_floor_ms_ = 0;
   std::unique_ptr<ClockProbe> clock_probe_;  // null: no clock samples
   Clocks last_clocks_;
