@@ -278,12 +278,6 @@ struct DeviceBuffer {
   }
 };
 
-// The benchmark's inputs' generator (an LCG; its high bits).
-uint64_t next_random(uint64_t& state) {
-  state = state * 6364136223846793005ull + 1442695040888963407ull;
-  return state >> 33;
-}
-
 // Writes over a buffer larger than the L2 so a timed run starts with a cold cache.
 class L2Flush {
  public:
@@ -464,6 +458,12 @@ std::unique_ptr<BenchBackend> make_cuda_bench(std::string& reason) {
 
 namespace lmloss::tools {
 namespace {
+
+// The labels' and teachers' generator on the host (an LCG; its high bits).
+uint64_t next_random(uint64_t& state) {
+  state = state * 6364136223846793005ull + 1442695040888963407ull;
+  return state >> 33;
+}
 
 // Deterministic pseudo-random inputs made on the device (the host would take minutes).
 __device__ uint64_t mix(uint64_t x) {
