@@ -54,8 +54,8 @@ if [ ! -x "$BUILD/tests/test_cuda" ] || [ ! -f "$BUILD/src/liblmloss.so" ]; then
 fi
 # The modes benchmark is the bench source built as a program of its own.
 if [ ! -x "$BUILD/tools/bench_cuda_modes" ] && command -v nvcc > /dev/null; then
-  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DLMLOSS_BENCH_CUDA_MAIN -Iinclude \
-    tools/bench_cuda.cu -o "$BUILD/tools/bench_cuda_modes" -L"$BUILD/src" -llmloss -lcublasLt \
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DLMLOSS_BENCH_CUDA_MAIN -Iinclude -Isrc \
+    tools/bench_cuda.cu src/cuda/cublaslt_library.cpp -o "$BUILD/tools/bench_cuda_modes" -L"$BUILD/src" -llmloss -lcublasLt \
     -Xlinker -rpath -Xlinker '$ORIGIN/../src' >> "$OUT/build.log" 2>&1
 fi
 CUDA_LIBS=""

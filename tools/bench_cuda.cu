@@ -26,17 +26,26 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda/cublaslt_library.hpp"
 #include "lmloss/lmloss.hpp"
 
 namespace lmloss::tools {
 namespace {
+
+// cuBLASLt through the library's loader, as the library takes it: the command then starts where
+// the CUDA libraries are not installed, and only its CUDA paths fail, saying why.
+const cuda::CublasLt& lt() {
+  const cuda::CublasLt* api = cuda::cublaslt();
+  if (!api) throw std::runtime_error(std::string("cuBLASLt: ") + cuda::cublaslt_error());
+  return *api;
+}
 
 void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 void lt_check(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS)
-    throw std::runtime_error(std::string(what) + ": " + cublasLtGetStatusString(s));
+    throw std::runtime_error(std::string(what) + ": " + lt().GetStatusString(s));
 }
 
 // The library's own RAII context (lmloss.hpp is C++17, as CUDA sources are built).
@@ -99,16 +108,16 @@ struct ProductStrides {
 // Row-major products through cuBLASLt, each planned once (descriptor, layouts, algorithm).
 class Products {
  public:
-  Products() { lt_check(cublasLtCreate(&handle_), "cublasLtCreate"); }
+  Products() { lt_check(lt().Create(&handle_), "cublasLtCreate"); }
   ~Products() {
     for (auto& [key, p] : plans_) {
-      cublasLtMatrixLayoutDestroy(p.a);
-      cublasLtMatrixLayoutDestroy(p.b);
-      cublasLtMatrixLayoutDestroy(p.c);
-      cublasLtMatmulDescDestroy(p.desc);
+      lt().MatrixLayoutDestroy(p.a);
+      lt().MatrixLayoutDestroy(p.b);
+      lt().MatrixLayoutDestroy(p.c);
+      lt().MatmulDescDestroy(p.desc);
     }
     if (workspace_) cudaFree(workspace_);
-    cublasLtDestroy(handle_);
+    lt().Destroy(handle_);
   }
   // Row-major C (m, n) = A (m, k) B (k, n) [+ C], where A is stored transposed when a_t (as
   // (k, m)) and B when b_t (as (n, k)); contiguous unless `st` says otherwise.
@@ -120,49 +129,49 @@ class Products {
     auto it = plans_.find(key);
     if (it == plans_.end()) {
       Plan p;
-      lt_check(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+      lt_check(lt().MatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
       const cublasOperation_t ta = b_t ? CUBLAS_OP_T : CUBLAS_OP_N;  // first operand: B^T
       const cublasOperation_t tb = a_t ? CUBLAS_OP_T : CUBLAS_OP_N;
-      lt_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "transa");
-      lt_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "transb");
+      lt_check(lt().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "transa");
+      lt_check(lt().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "transb");
       // First operand B^T: col-major (n, k); stored B row-major (k, n) = col-major (n, k), ld n;
       // stored transposed (n, k) row-major = col-major (k, n), ld k.
       const int64_t ldb = st.ldb ? st.ldb : b_t ? k : n, lda = st.lda ? st.lda : a_t ? m : k;
-      if (b_t) lt_check(cublasLtMatrixLayoutCreate(&p.a, cuda_type(ab), k, n, ldb), "layout");
-      else lt_check(cublasLtMatrixLayoutCreate(&p.a, cuda_type(ab), n, k, ldb), "layout");
-      if (a_t) lt_check(cublasLtMatrixLayoutCreate(&p.b, cuda_type(ab), m, k, lda), "layout");
-      else lt_check(cublasLtMatrixLayoutCreate(&p.b, cuda_type(ab), k, m, lda), "layout");
-      lt_check(cublasLtMatrixLayoutCreate(&p.c, cuda_type(c_type), n, m, st.ldc ? st.ldc : n), "layout");
+      if (b_t) lt_check(lt().MatrixLayoutCreate(&p.a, cuda_type(ab), k, n, ldb), "layout");
+      else lt_check(lt().MatrixLayoutCreate(&p.a, cuda_type(ab), n, k, ldb), "layout");
+      if (a_t) lt_check(lt().MatrixLayoutCreate(&p.b, cuda_type(ab), m, k, lda), "layout");
+      else lt_check(lt().MatrixLayoutCreate(&p.b, cuda_type(ab), k, m, lda), "layout");
+      lt_check(lt().MatrixLayoutCreate(&p.c, cuda_type(c_type), n, m, st.ldc ? st.ldc : n), "layout");
       if (st.batch > 1) {
         const int64_t batch_strides[3] = {st.batch_b, st.batch_a, st.batch_c};  // as p.a, p.b, p.c
         const cublasLtMatrixLayout_t layouts[3] = {p.a, p.b, p.c};
         for (int i = 0; i < 3; ++i) {
-          lt_check(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &st.batch,
+          lt_check(lt().MatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &st.batch,
                                                     sizeof(st.batch)),
                    "batch count");
           if (st.pointer_array) {
             const uint32_t mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
-            lt_check(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &mode,
+            lt_check(lt().MatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &mode,
                                                       sizeof(mode)),
                      "batch mode");
             continue;
           }
-          lt_check(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+          lt_check(lt().MatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
                                                     &batch_strides[i], sizeof(batch_strides[i])),
                    "batch stride");
         }
       }
       cublasLtMatmulPreference_t pref;
-      lt_check(cublasLtMatmulPreferenceCreate(&pref), "pref");
+      lt_check(lt().MatmulPreferenceCreate(&pref), "pref");
       const uint64_t ws = kWorkspace;
-      lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
+      lt_check(lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
                "pref ws");
       cublasLtMatmulHeuristicResult_t results[kCandidates]{};
       int found = 0;
-      lt_check(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, kCandidates, results,
+      lt_check(lt().MatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, kCandidates, results,
                                               &found),
                "heuristic");
-      cublasLtMatmulPreferenceDestroy(pref);
+      lt().MatmulPreferenceDestroy(pref);
       if (!found) throw std::runtime_error("cuBLASLt: no algorithm");
       p.algo = results[0].algo;
       for (int i = 0; i < found; ++i) {
@@ -175,7 +184,7 @@ class Products {
     const float alpha = 1.f;
     const cublasLtMatmulAlgo_t& algo =
         candidate_ < 0 ? p.algo : p.candidates[std::min<size_t>(candidate_, p.candidates.size() - 1)];
-    lt_check(cublasLtMatmul(handle_, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &algo, workspace_,
+    lt_check(lt().Matmul(handle_, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &algo, workspace_,
                             kWorkspace, stream),
              "cublasLtMatmul");
   }
