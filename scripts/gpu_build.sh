@@ -28,7 +28,8 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITEC
 cmake --build "$BUILD" --parallel
 # The modes benchmark is the bench source built as a program of its own (see tools/bench_cuda.cu).
 nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DLMLOSS_BENCH_CUDA_MAIN -Iinclude -Isrc \
-  tools/bench_cuda.cu src/cuda/cublaslt_library.cpp -o "$BUILD/tools/bench_cuda_modes" -L"$BUILD/src" -llmloss -lcublasLt \
+  tools/bench_cuda.cu src/cuda/cublaslt_library.cpp -o "$BUILD/tools/bench_cuda_modes" \
+  -L"$BUILD/src" -llmloss -lcublasLt \
   -Xlinker -rpath -Xlinker '$ORIGIN/../src'
 
 # Host libraries beyond the C and C++ runtimes, as the loader resolves them here.

@@ -55,7 +55,8 @@ fi
 # The modes benchmark is the bench source built as a program of its own.
 if [ ! -x "$BUILD/tools/bench_cuda_modes" ] && command -v nvcc > /dev/null; then
   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DLMLOSS_BENCH_CUDA_MAIN -Iinclude -Isrc \
-    tools/bench_cuda.cu src/cuda/cublaslt_library.cpp -o "$BUILD/tools/bench_cuda_modes" -L"$BUILD/src" -llmloss -lcublasLt \
+    tools/bench_cuda.cu src/cuda/cublaslt_library.cpp -o "$BUILD/tools/bench_cuda_modes" \
+    -L"$BUILD/src" -llmloss -lcublasLt \
     -Xlinker -rpath -Xlinker '$ORIGIN/../src' >> "$OUT/build.log" 2>&1
 fi
 CUDA_LIBS=""
