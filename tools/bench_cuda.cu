@@ -147,17 +147,17 @@ class Products {
         const cublasLtMatrixLayout_t layouts[3] = {p.a, p.b, p.c};
         for (int i = 0; i < 3; ++i) {
           lt_check(lt().MatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &st.batch,
-                                                    sizeof(st.batch)),
+                                                 sizeof(st.batch)),
                    "batch count");
           if (st.pointer_array) {
             const uint32_t mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
             lt_check(lt().MatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &mode,
-                                                      sizeof(mode)),
+                                                   sizeof(mode)),
                      "batch mode");
             continue;
           }
           lt_check(lt().MatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                                    &batch_strides[i], sizeof(batch_strides[i])),
+                                                 &batch_strides[i], sizeof(batch_strides[i])),
                    "batch stride");
         }
       }
@@ -169,7 +169,7 @@ class Products {
       cublasLtMatmulHeuristicResult_t results[kCandidates]{};
       int found = 0;
       lt_check(lt().MatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, kCandidates, results,
-                                              &found),
+                                           &found),
                "heuristic");
       lt().MatmulPreferenceDestroy(pref);
       if (!found) throw std::runtime_error("cuBLASLt: no algorithm");
@@ -185,7 +185,7 @@ class Products {
     const cublasLtMatmulAlgo_t& algo =
         candidate_ < 0 ? p.algo : p.candidates[std::min<size_t>(candidate_, p.candidates.size() - 1)];
     lt_check(lt().Matmul(handle_, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &algo, workspace_,
-                            kWorkspace, stream),
+                         kWorkspace, stream),
              "cublasLtMatmul");
   }
 #if defined(LMLOSS_BENCH_CUDA_MAIN)  // the modes program's algorithm survey
@@ -655,6 +655,11 @@ struct Row {
 };
 
 class ModesBench {
+  struct Teacher {
+    int64_t k = 0;
+    DeviceBuffer ids, probs;  // (tokens, k) i32 and f32
+  };
+
  public:
   ModesBench(int64_t n, int64_t h, int64_t v, lmloss_dtype dt, int repeats)
       : n_(n), h_(h), v_(v), dt_(dt), repeats_(repeats) {
@@ -1166,7 +1171,7 @@ class ModesBench {
     if (budget) ctx.set_workspace_budget(budget);
     // distillK: top-k distillation against a teacher's k ids (ce_weight 0, kd_weight 1).
     const bool distill = mode.rfind("distill", 0) == 0;
-    const int64_t teacher_k = distill ? std::stoll(mode.substr(7)) : 0;
+    const Teacher* teach = distill ? &teacher(mode) : nullptr;
     const bool want_dw = mode == "fwd_bwd" || distill;
     const bool want_dx = want_dw || mode == "dx_only";
     lmloss_loss_options o = lmloss_loss_options_default();
@@ -1183,8 +1188,8 @@ class ModesBench {
     const lmloss_tensor labels = dev_vector(labels_.ptr, LMLOSS_I32, n_);
     const lmloss_tensor none = lmloss_tensor_none();
     const lmloss_targets targets =
-        distill ? make_targets(labels, dev_matrix(teacher(teacher_k).first.ptr, LMLOSS_I32, n_, teacher_k),
-                               dev_matrix(teacher(teacher_k).second.ptr, LMLOSS_F32, n_, teacher_k))
+        distill ? make_targets(labels, dev_matrix(teach->ids.ptr, LMLOSS_I32, n_, teach->k),
+                               dev_matrix(teach->probs.ptr, LMLOSS_F32, n_, teach->k))
                 : make_targets(labels, none, none);
     const lmloss_grads g = make_grads(none, want_dx ? dev_matrix(dx_.ptr, dt_, n_, h_) : none,
                                       want_dw ? dev_matrix(dw_.ptr, dw_dtype_, v_, h_) : none);
@@ -1208,12 +1213,19 @@ class ModesBench {
             double(ctx.peak_workspace()) / double(1 << 30), repeats_, last_clocks_};
   }
 
-  // A teacher's top k for every token, made once per k: distinct ids, from a random base in
-  // strides of a prime, with random probabilities summing to 1.
-  const std::pair<DeviceBuffer, DeviceBuffer>& teacher(int64_t k) {
+  // The teacher of mode `distillK`: its top k for every token, made once per k: distinct ids,
+  // from a random base in strides of a prime, with random probabilities summing to 1.
+  const Teacher& teacher(const std::string& mode) {
+    int64_t k = 0;
+    try {
+      size_t used = 0;
+      k = std::stoll(mode.substr(7), &used);
+      if (used != mode.size() - 7) k = 0;
+    } catch (const std::exception&) {
+    }
+    if (k < 1 || k > v_) throw std::runtime_error(mode + ": distillK takes a teacher's k from 1 to the vocabulary");
     auto found = teachers_.find(k);
     if (found != teachers_.end()) return found->second;
-    if (k < 1 || k > v_) throw std::runtime_error("distill" + std::to_string(k) + ": k must be in [1, vocab]");
     std::vector<int32_t> ids(n_ * k);
     std::vector<float> probs(n_ * k);
     uint64_t state = 12345 + uint64_t(k);
@@ -1226,9 +1238,10 @@ class ModesBench {
         probs[t * k + e] = float(probs[t * k + e] / mass);
       }
     }
-    auto& made = teachers_[k];
-    made.first = upload(ids.data(), ids.size() * 4);
-    made.second = upload(probs.data(), probs.size() * 4);
+    Teacher& made = teachers_[k];
+    made.k = k;
+    made.ids = upload(ids.data(), ids.size() * 4);
+    made.probs = upload(probs.data(), probs.size() * 4);
     return made;
   }
 
@@ -1311,7 +1324,7 @@ class ModesBench {
   Products side_products_;              // its own handle and workspace, for side_stream_
   L2Flush flush_;
   DeviceBuffer x_, w_, labels_, dx_, dw_, loss_, topk_ids_, topk_probs_, z_;
-  std::map<int64_t, std::pair<DeviceBuffer, DeviceBuffer>> teachers_;  // k -> (ids, probs)
+  std::map<int64_t, Teacher> teachers_;  // by k
   double last_floor_ms_ = 0;
   std::unique_ptr<ClockProbe> clock_probe_;  // null: no clock samples
   Clocks last_clocks_;
