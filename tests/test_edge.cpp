@@ -431,13 +431,16 @@ TEST_P(Edge, DistillationOverTheWholeVocabulary) {
 
 TEST_P(Edge, InfiniteLogitGivesInfiniteLse) {
   // A logit of +inf (an overflow upstream): its row's lse is +inf and so its loss (its label
-  // elsewhere), with or without the z-loss (absent at 0, not 0 inf^2 = NaN); the other rows are as
-  // without it. Top-k puts the id first, its probability inf / inf (NaN) and the others' 0.
+  // elsewhere), with or without the z-loss (absent at 0, not 0 inf^2 = NaN); so with two of them
+  // (not inf - inf); the other rows are as without them. Top-k puts the id first, its probability
+  // inf / inf (NaN) and the others' 0.
   Generator gen(313);
   const int64_t n = 4, vocab = 129;
   reference::Problem p = gen.problem({.n_tokens = n, .vocab = vocab, .ignore_fraction = 0});
   p.logits[1 * vocab + 17] = INFINITY;
   p.labels[1] = 5;
+  p.logits[2 * vocab + 3] = p.logits[2 * vocab + 90] = INFINITY;  // two: inf, not inf - inf
+  p.labels[2] = 5;
   for (const double z_loss : {0.0, 1e-3}) {
     SCOPED_TRACE(cat("z_loss ", z_loss));
     lmloss_loss_options o = lmloss_loss_options_default();
@@ -446,11 +449,13 @@ TEST_P(Edge, InfiniteLogitGivesInfiniteLse) {
     o.z_loss = z_loss;
     LossCase c(p, o, setup());
     ASSERT_EQ(c.forward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-    EXPECT_EQ(c.lse.get(1), INFINITY);
-    EXPECT_EQ(c.loss.get(1), INFINITY);
+    for (const int64_t t : {1, 2}) {
+      EXPECT_EQ(c.lse.get(t), INFINITY) << "token " << t;
+      EXPECT_EQ(c.loss.get(t), INFINITY) << "token " << t;
+    }
     const reference::LossResult ref = c.reference();
     EXPECT_EQ(ref.loss[1], INFINITY);
-    for (const int64_t t : {0, 2, 3}) {
+    for (const int64_t t : {0, 3}) {
       EXPECT_NEAR(c.lse.get(t), ref.lse[t], 1e-5 * std::abs(ref.lse[t])) << "token " << t;
       EXPECT_NEAR(c.loss.get(t), ref.loss[t], 1e-5 * std::abs(ref.loss[t])) << "token " << t;
     }
@@ -464,8 +469,11 @@ TEST_P(Edge, InfiniteLogitGivesInfiniteLse) {
     ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
     EXPECT_EQ(tc.ids.get_id(1 * 2), 17);
     EXPECT_EQ(tc.probs.get(1 * 2 + 1), 0.0);
+    const auto [low, high] = std::minmax({tc.ids.get_id(2 * 2), tc.ids.get_id(2 * 2 + 1)});
+    EXPECT_EQ(low, 3);
+    EXPECT_EQ(high, 90);
     const reference::TopkResult ref = tc.reference();  // row 1's first probability: inf / inf
-    for (const int64_t t : {0, 2, 3}) {
+    for (const int64_t t : {0, 3}) {
       for (int64_t i = 0; i < 2; ++i) {
         EXPECT_EQ(tc.ids.get_id(t * 2 + i), ref.ids[t * 2 + i]) << "token " << t;
         EXPECT_NEAR(tc.probs.get(t * 2 + i), ref.probs[t * 2 + i], 1e-5) << "token " << t;

@@ -207,7 +207,9 @@ __device__ __forceinline__ void add_to_lse(MaxSum& acc, float s) {
   if (s > acc.max) {
     acc.sum = acc.sum * expf(acc.max - s) + 1.f;
     acc.max = s;
-  } else if (s != -INFINITY) {  // a masked logit adds nothing: exp(-inf - -inf) would be NaN
+  } else if (s == acc.max) {  // exp(0), also where both are +inf and exp(inf - inf) would be NaN
+    if (s != -INFINITY) acc.sum += 1.f;  // a masked logit adds nothing
+  } else {
     acc.sum += expf(s - acc.max);
   }
 }
