@@ -149,14 +149,17 @@ class DeviceGuard {
 // events), so a caller may capture them.
 lmloss_status get_state(lmloss_context& context, int device, CudaState** out) {
   if (!context.cuda_state) {
-    LMLOSS_CHECK(refuse_under_capture(static_cast<cudaStream_t>(context.stream),
+    const auto stream = static_cast<cudaStream_t>(context.stream);
+    LMLOSS_CHECK(refuse_under_capture(stream,
                                       "context: its first CUDA call makes its handles and cannot be captured "
                                       "into a CUDA graph; make one call on the context before capturing"));
     auto state = std::make_unique<CudaState>();
     state->device = device;
+    // Zeroed on the context's stream, which may not wait for the legacy default stream, so that
+    // the first kernels on it see the zeros.
     LMLOSS_CUDA_TRY(cudaMalloc(&state->error_flag, sizeof(int)));
-    LMLOSS_CUDA_TRY(cudaMemset(state->error_flag, 0, sizeof(int)));
-    if (const lmloss_status st = state->matmul.init(); st != LMLOSS_SUCCESS) return st;
+    LMLOSS_CUDA_TRY(cudaMemsetAsync(state->error_flag, 0, sizeof(int), stream));
+    if (const lmloss_status st = state->matmul.init(stream); st != LMLOSS_SUCCESS) return st;
     cudaStream_t side = nullptr;  // made now, so that no later call creates a stream
     LMLOSS_CHECK(state->side(&side));
     // Keep up to one budget of freed workspace in the stream-ordered pool between calls, so a
@@ -1554,11 +1557,12 @@ class CudaBackend final : public core::Backend {
     auto* state = dynamic_cast<CudaState*>(context.cuda_state.get());
     if (!state) return LMLOSS_SUCCESS;
     DeviceGuard guard(state->device);
-    LMLOSS_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(context.stream)));
+    const auto stream = static_cast<cudaStream_t>(context.stream);
+    LMLOSS_CUDA_TRY(cudaStreamSynchronize(stream));
     int flag = 0;
     LMLOSS_CUDA_TRY(cudaMemcpy(&flag, state->error_flag, sizeof(int), cudaMemcpyDeviceToHost));
     if (flag == 0) return LMLOSS_SUCCESS;
-    LMLOSS_CUDA_TRY(cudaMemset(state->error_flag, 0, sizeof(int)));
+    LMLOSS_CUDA_TRY(cudaMemsetAsync(state->error_flag, 0, sizeof(int), stream));
     return core::fail(LMLOSS_ERROR_ID_OUT_OF_RANGE,
                       "targets: a label or teacher id was out of range on the device; those tokens' "
                       "loss is NaN and their gradient zero");

@@ -72,11 +72,11 @@ MatmulCache::~MatmulCache() {
   if (zero_) cudaFree(zero_);
 }
 
-lmloss_status MatmulCache::init() {
+lmloss_status MatmulCache::init(cudaStream_t stream) {
   if (handle_) return LMLOSS_SUCCESS;
   LMLOSS_LT_TRY("create", lt().Create(&handle_));
   LMLOSS_CUDA_TRY(cudaMalloc(&zero_, sizeof(float)));
-  LMLOSS_CUDA_TRY(cudaMemset(zero_, 0, sizeof(float)));
+  LMLOSS_CUDA_TRY(cudaMemsetAsync(zero_, 0, sizeof(float), stream));
   return LMLOSS_SUCCESS;
 }
 

@@ -75,8 +75,9 @@ class MatmulCache {
   MatmulCache& operator=(const MatmulCache&) = delete;
   ~MatmulCache();
 
-  // Creates the handle; LMLOSS_ERROR_BACKEND on failure.
-  lmloss_status init();
+  // Creates the handle, and the device zero that beta points to, set on `stream`;
+  // LMLOSS_ERROR_BACKEND on failure.
+  lmloss_status init(cudaStream_t stream);
   // D = alpha op(A) op(B) + beta D on `stream`; alpha and beta point to device floats. The
   // shape's alignments are taken from the pointers.
   // With `tuning`, a shape's first run times its candidates first (lmloss_context_set_product_tuning).
