@@ -25,12 +25,8 @@ done
 ARCHS="90a-real;80-virtual"
 
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" > /dev/null
-cmake --build "$BUILD" --parallel
-# The modes benchmark is the bench source built as a program of its own (see tools/bench_cuda.cu).
-nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DLMLOSS_BENCH_CUDA_MAIN -Iinclude -Isrc \
-  tools/bench_cuda.cu src/cuda/cublaslt_library.cpp -o "$BUILD/tools/bench_cuda_modes" \
-  -L"$BUILD/src" -llmloss -lcublasLt \
-  -Xlinker -rpath -Xlinker '$ORIGIN/../src'
+# Everything, and the modes benchmark (the bench source as a program of its own, built on request).
+cmake --build "$BUILD" --parallel --target all bench_cuda_modes
 
 # Host libraries beyond the C and C++ runtimes, as the loader resolves them here.
 mkdir -p "$BUILD/extra-lib"
