@@ -274,12 +274,14 @@ TEST_F(Cuda, ForwardOfManyTokensFromTheProductInChunksMatchesReference) {
 // exponential form, bf16 without label smoothing), 2 bytes per logit, the partials or the
 // exponential form's staging (an f32 dX row and a bf16 row of X at once: 6 bytes per hidden unit)
 // where that is more than 1 byte per logit (else up to the midpoint of 3 bytes per logit, where
-// the cuBLASLt path holds 4), the teacher's scratch, and 64 bytes a row for the rest.
+// the cuBLASLt path holds 4), the teacher's scratch (4 bytes an entry, 8 from 256 to 4096 entries,
+// which the rows take in (id, entry) order), and 64 bytes a row for the rest.
 size_t product_path_workspace_bound(int64_t n_tokens, int64_t vocab, int64_t hidden, int64_t top_k, bool two_streams) {
   const size_t logits_row = size_t((vocab + 7) / 8 * 8);
   const size_t staging_row = std::max(logits_row, 6 * size_t(hidden));
+  const size_t entry_bytes = top_k + 1 >= 256 && top_k + 1 <= 4096 ? 8 : 4;
   return (size_t(two_streams ? 64 : 32) << 20) +
-         size_t(n_tokens) * (2 * logits_row + staging_row + 4 * size_t(top_k + 1) + 64);
+         size_t(n_tokens) * (2 * logits_row + staging_row + entry_bytes * size_t(top_k + 1) + 64);
 }
 
 // The fused forward+backward of the same heads: statistics from the product's epilogue, the
@@ -566,6 +568,35 @@ TEST_F(Cuda, DistillationFromTheProductMatchesReference) {
           expect_matches_reference(c, Mode::forward);
           EXPECT_GT(forward_ctx.peak_workspace(), size_t(32) << 20) << "a forward with a teacher keeps the cuBLASLt path";
         }
+      }
+    }
+  }
+}
+
+// A teacher may name an id more than once, and the label: each entry adds its term there. The rows
+// find the repeats by searching their entries (few or very many) or in their (id, entry) order
+// (256 to 4096 entries): k on both sides of each bound, through the logits (f32) and the product
+// (bf16, 16-bit gradients), with and without the label's term; every fourth entry repeats the one
+// before it and even rows' first entry is the label. Bitwise on a rerun.
+TEST_F(Cuda, RepeatedTeacherIdsAddTheirTerms) {
+  Generator gen(4021);
+  for (const int64_t top_k : {16, 600, 3999, 4200}) {
+    for (const lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+      for (const bool with_label : {true, false}) {
+        SCOPED_TRACE(std::string(dtype_name(dtype)) + " k " + std::to_string(top_k) +
+                     (with_label ? " distill_mixed" : " distill_only"));
+        ProblemSpec spec{.n_tokens = 6, .vocab = 5003, .hidden = 64, .top_k = top_k};
+        reference::Problem p = gen.problem(spec);
+        for (int64_t t = 0; t < spec.n_tokens; ++t) {
+          int64_t* ids = p.teacher_ids.data() + t * top_k;
+          for (int64_t k = 3; k < top_k; k += 4) ids[k] = ids[k - 1];
+          if (t % 2 == 0 && p.labels[t] >= 0) ids[0] = p.labels[t];
+        }
+        lmloss_loss_options o = options_named("distill_mixed");
+        if (!with_label) o.ce_weight = 0;
+        LossCase c(p, o, setup(dtype, dtype));
+        lmloss::Context ctx;
+        ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
       }
     }
   }

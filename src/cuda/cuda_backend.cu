@@ -614,7 +614,8 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   Piece* pc = p.layout.pieces;
   pc[kScalars].fixed = sizeof(CallScalars);
   if (reduced_loss) pc[kTokenLoss].fixed = sizeof(float) * call.n_tokens;
-  pc[kSparse].per_row = sizeof(float) * size_t(call.top_k + 1);
+  // s at the sparse entries, and their order where the rows take it (orders_entries).
+  pc[kSparse].per_row = sizeof(float) * size_t(call.top_k + 1) * (orders_entries(call.top_k, call.vocab) ? 2 : 1);
   if (call.linear) {
     p.logits_ld = (call.vocab + 7) / 8 * 8;
     // The gradient goes over the chunk's own f32 logits, narrowed to the input dtype in place
@@ -963,6 +964,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   a.scalars = scalars;
   a.error_flag = r.state.error_flag;
   a.sparse_s = sparse;
+  if (orders_entries(call.top_k, call.vocab))
+    a.entry_order = reinterpret_cast<uint32_t*>(sparse + R * (call.top_k + 1));
   a.bias = bias;
 
   const lmloss_grads& g = call.grads;

@@ -133,6 +133,44 @@ __device__ __forceinline__ void narrow_row(const float* in, TOut* out, int64_t n
   }
 }
 
+// The id in the sort key of an entry that names none (the label where it takes no fix-up, or an
+// id out of range), and of the padding: it sorts after every id.
+constexpr uint64_t kNoEntryId = 0xffffffffu;
+
+// Sort keys (a power of two) of a row's entries where the rows take their entries ordered, else 0.
+__host__ __device__ constexpr int64_t entry_sort_keys(const LossRowsArgs& a) {
+  if (!forms_gradient(a.work) || a.scales_only || a.entry_order == nullptr || !orders_entries(a.top_k, a.vocab))
+    return 0;
+  int64_t keys = kOrderedEntriesMin;
+  while (keys < a.top_k + 1) keys *= 2;
+  return keys;
+}
+
+// Row t's entry e: 0 the label (label_id, -1 where it takes no fix-up), 1 + k teacher id k.
+__device__ __forceinline__ int64_t entry_id(const LossRowsArgs& a, int64_t t, int64_t label_id, int64_t e) {
+  return e == 0 ? label_id : load_id(a.teacher_ids, a.teacher_ids_dtype, t * a.teacher_ids_ld + e - 1);
+}
+
+// Sorts keys[0, n) ascending, n a power of two, with the block's threads (a bitonic network:
+// a fixed sequence of compare-exchanges, so the same on every run).
+__device__ __forceinline__ void block_bitonic_sort(uint64_t* keys, int64_t n) {
+  for (int64_t size = 2; size <= n; size *= 2) {
+    for (int64_t stride = size / 2; stride > 0; stride /= 2) {
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const int64_t partner = i ^ stride;
+        if (partner <= i) continue;
+        const uint64_t x = keys[i], y = keys[partner];
+        const bool ascending = (i & size) == 0;
+        if ((x > y) == ascending) {
+          keys[i] = y;
+          keys[partner] = x;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
 __device__ __forceinline__ bool is_counted(const void* labels, lmloss_dtype labels_dtype,
                                            int64_t ignore_index, const uint8_t* mask, int64_t t) {
   if (labels && load_id(labels, labels_dtype, t) == ignore_index) return false;
@@ -140,11 +178,41 @@ __device__ __forceinline__ bool is_counted(const void* labels, lmloss_dtype labe
   return true;
 }
 
+// The label's id where its entry takes a fix-up (the rows kernel's label_entry), else -1.
+__device__ __forceinline__ int64_t fixup_label(const LossRowsArgs& a, int64_t t) {
+  if (!a.labels || a.weights.alpha == 0.f) return -1;
+  const int64_t label = load_id(a.labels, a.labels_dtype, t);
+  return label == a.ignore_index ? -1 : label;
+}
+
+// Each row's entries ordered by (id, entry) into entry_order: keys (id << 32 | entry) sorted in
+// shared memory, ids out of range and the padding keyed past every id. A kernel of its own: the
+// same sort inside the rows kernel came out unsorted on H100 and H200 (run 57), alone it does not.
+constexpr int kOrderThreads = 256;
+__global__ void __launch_bounds__(kOrderThreads) entry_order_kernel(const LossRowsArgs a) {
+  extern __shared__ uint64_t keys[];  // (entry_sort_keys(a))
+  const int64_t n_keys = entry_sort_keys(a), entries = a.top_k + 1;
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const int64_t t = a.row0 + r;
+    const int64_t label_id = fixup_label(a, t);
+    for (int64_t e = threadIdx.x; e < n_keys; e += blockDim.x) {
+      const int64_t id = e < entries ? entry_id(a, t, label_id, e) : -1;
+      keys[e] = (id >= 0 && id < a.vocab ? uint64_t(id) : kNoEntryId) << 32 | uint64_t(e);
+    }
+    __syncthreads();
+    block_bitonic_sort(keys, n_keys);
+    uint32_t* order = a.entry_order + r * entries;
+    for (int64_t i = threadIdx.x; i < entries; i += blockDim.x) order[i] = uint32_t(keys[i]);
+    __syncthreads();  // the keys are written again for the next row
+  }
+}
+
 template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsArgs a) {
   __shared__ float2 maxsum_scratch[32];
   __shared__ float sum_scratch[32];
   __shared__ int row_bad;
+  const bool ordered = entry_sort_keys(a) > 0;
   const int64_t V = a.vocab;
   const int64_t K = a.top_k;
   const int64_t sparse_ld = K + 1;
@@ -338,26 +406,40 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     // that lands on them, written once by the first entry naming that id (so duplicates are
     // summed in entry order, deterministically). Entry 0 is the label, entry 1 + k teacher k.
     if (g != 0.f) {
-      auto entry_id = [&](int64_t e) -> int64_t {
-        return e == 0 ? (label_entry ? label : -1)
-                      : load_id(a.teacher_ids, a.teacher_ids_dtype, t * a.teacher_ids_ld + e - 1);
-      };
+      const int64_t label_id = label_entry ? label : -1;
+      auto id_of = [&](int64_t e) { return entry_id(a, t, label_id, e); };
       auto entry_correction = [&](int64_t e) -> float {
         return e == 0 ? (exp_form ? 0.f : weights.label_correction(g))
                       : weights.teacher_correction(g, a.teacher_probs[t * a.teacher_probs_ld + e - 1]);
       };
-      for (int64_t e = threadIdx.x; e <= K; e += blockDim.x) {
-        const int64_t id = entry_id(e);
-        if (id < 0) continue;
-        bool leader = true;
-        for (int64_t f = 0; f < e && leader; ++f) leader = entry_id(f) != id;
-        if (!leader) continue;
-        float correction = 0.f;
-        for (int64_t f = e; f <= K; ++f)
-          if (entry_id(f) == id) correction += entry_correction(f);
+      // Writes id's value, from leader e (the first entry naming it) and its corrections' sum.
+      auto write_fixup = [&](int64_t id, int64_t e, float correction) {
         const float s = sparse[e];
         dz[id] = from_float<TOut>(kept ? expf(s - shift) + correction * expf(lse - shift) / p_coef
                                        : sparse_value(s, correction) * unscale);
+      };
+      if (ordered) {
+        // An id's entries lie together, in entry order; the first of them leads.
+        const uint32_t* order = a.entry_order + r * sparse_ld;
+        for (int64_t i = threadIdx.x; i <= K; i += blockDim.x) {
+          const int64_t id = id_of(order[i]);
+          if (id < 0 || (i > 0 && id_of(order[i - 1]) == id)) continue;
+          float correction = 0.f;
+          for (int64_t f = i; f <= K && id_of(order[f]) == id; ++f) correction += entry_correction(order[f]);
+          write_fixup(id, order[i], correction);
+        }
+      } else {
+        for (int64_t e = threadIdx.x; e <= K; e += blockDim.x) {
+          const int64_t id = id_of(e);
+          if (id < 0) continue;
+          bool leader = true;
+          for (int64_t f = 0; f < e && leader; ++f) leader = id_of(f) != id;
+          if (!leader) continue;
+          float correction = 0.f;
+          for (int64_t f = e; f <= K; ++f)
+            if (id_of(f) == id) correction += entry_correction(f);
+          write_fixup(id, e, correction);
+        }
       }
     }
     __syncthreads();
@@ -712,6 +794,10 @@ unsigned int flat_grid(int64_t n, int threads) {
 template <typename TIn, typename TOut>
 lmloss_status launch_rows_typed(const LossRowsArgs& args, cudaStream_t stream) {
   const int threads = stats_from_product(args.work) ? kProductRowThreads : kRowThreads;
+  if (const int64_t keys = entry_sort_keys(args); keys > 0) {
+    entry_order_kernel<<<row_grid(args.rows), kOrderThreads, sizeof(uint64_t) * size_t(keys), stream>>>(args);
+    LMLOSS_CUDA_LAUNCHED("entry_order_kernel");
+  }
   loss_rows_kernel<TIn, TOut><<<row_grid(args.rows), threads, 0, stream>>>(args);
   LMLOSS_CUDA_LAUNCHED("loss_rows_kernel");
   return LMLOSS_SUCCESS;

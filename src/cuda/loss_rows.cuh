@@ -74,6 +74,9 @@ struct LossRowsArgs {
   const CallScalars* scalars = nullptr;
   int* error_flag = nullptr;
   float* sparse_s = nullptr;     // (rows, top_k + 1) scratch: s at the label, then the teacher ids
+  // (rows, top_k + 1) scratch where orders_entries(top_k, vocab): each row's entries ordered by
+  // (id, entry), written by a kernel of their own before the rows (see launch_loss_rows).
+  uint32_t* entry_order = nullptr;
 
   // stats_from_partials (no teacher) and stats_and_grad_from_partials, no bias or soft-capping:
   // per row, partial_tiles (max, sum exp(s - max), sum s) of column tiles, and s at the label.
@@ -124,6 +127,15 @@ struct LossRowsArgs {
 constexpr float kExpFormRange = 40.f;
 
 // Enqueues the kernel on `stream`; LMLOSS_ERROR_UNSUPPORTED for a dtype pair it has no kernel for.
+// Rows with this many sparse entries (the label and k teacher ids) find their repeated ids in
+// their entries ordered by (id, entry), O(k log^2 k), rather than by searching them, O(k^2); up to
+// kOrderedEntriesMax, whose sort keys fill 32 KiB of shared memory.
+constexpr int64_t kOrderedEntriesMin = 256;
+constexpr int64_t kOrderedEntriesMax = 4096;
+__host__ __device__ constexpr bool orders_entries(int64_t top_k, int64_t vocab) {
+  return top_k + 1 >= kOrderedEntriesMin && top_k + 1 <= kOrderedEntriesMax && vocab < (int64_t(1) << 32) - 1;
+}
+
 lmloss_status launch_loss_rows(const LossRowsArgs& args, cudaStream_t stream);
 
 // The exponential form's shift of each row of a chunk, before its product: s at the token's label
