@@ -429,6 +429,29 @@ TEST_P(Edge, DistillationOverTheWholeVocabulary) {
   check_every_mode(p, o, setup());
 }
 
+TEST_P(Edge, RepeatedTeacherIdsAddTheirTerms) {
+  // A teacher may name an id more than once, and the label: each entry adds its term there, with
+  // and without the label's term. k on both sides of 256 entries, where the CUDA rows stop
+  // searching their entries for repeats and take them in (id, entry) order.
+  Generator gen(316);
+  const int64_t n = 6, vocab = 311;
+  for (const int64_t k : {5, 300}) {
+    reference::Problem p = gen.problem({.n_tokens = n, .vocab = vocab, .top_k = k});
+    for (int64_t t = 0; t < n; ++t) {
+      int64_t* ids = p.teacher_ids.data() + t * k;
+      for (int64_t e = 3; e < k; e += 4) ids[e] = ids[e - 1];
+      if (t % 2 == 0 && p.labels[t] >= 0) ids[0] = p.labels[t];
+    }
+    for (const double ce_weight : {0.5, 0.0}) {
+      SCOPED_TRACE(cat("k ", k, " ce_weight ", ce_weight));
+      lmloss_loss_options o = lmloss_loss_options_default();
+      o.ce_weight = ce_weight;
+      o.kd_weight = 0.7;
+      check_every_mode(p, o, setup());
+    }
+  }
+}
+
 TEST_P(Edge, InfiniteLogitGivesInfiniteLse) {
   // A logit of +inf (an overflow upstream): its row's lse is +inf and so its loss (its label
   // elsewhere), with or without the z-loss (absent at 0, not 0 inf^2 = NaN); so with two of them
