@@ -126,7 +126,6 @@ struct LossRowsArgs {
 // bf16's limits.
 constexpr float kExpFormRange = 40.f;
 
-// Enqueues the kernel on `stream`; LMLOSS_ERROR_UNSUPPORTED for a dtype pair it has no kernel for.
 // Rows with this many sparse entries (the label and k teacher ids) find their repeated ids in
 // their entries ordered by (id, entry), O(k log^2 k), rather than by searching them, O(k^2); up to
 // kOrderedEntriesMax, whose sort keys fill 32 KiB of shared memory.
@@ -136,6 +135,8 @@ __host__ __device__ constexpr bool orders_entries(int64_t top_k, int64_t vocab) 
   return top_k + 1 >= kOrderedEntriesMin && top_k + 1 <= kOrderedEntriesMax && vocab < (int64_t(1) << 32) - 1;
 }
 
+// Enqueues the kernel (after the entries' order, where the rows take it) on `stream`;
+// LMLOSS_ERROR_UNSUPPORTED for a dtype pair it has no kernel for.
 lmloss_status launch_loss_rows(const LossRowsArgs& args, cudaStream_t stream);
 
 // The exponential form's shift of each row of a chunk, before its product: s at the token's label
