@@ -155,6 +155,14 @@ int64_t Generator::index(int64_t n) {
   return std::uniform_int_distribution<int64_t>(0, n - 1)(rng_);
 }
 
+void repeat_teacher_ids(reference::Problem& problem, int64_t n_tokens, int64_t top_k) {
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    int64_t* ids = problem.teacher_ids.data() + t * top_k;
+    for (int64_t e = 3; e < top_k; e += 4) ids[e] = ids[e - 1];
+    if (t % 2 == 0 && !problem.labels.empty() && problem.labels[t] >= 0) ids[0] = problem.labels[t];
+  }
+}
+
 reference::Problem Generator::problem(const ProblemSpec& spec) {
   const int64_t n = spec.n_tokens, V = spec.vocab, H = spec.hidden;
   reference::Problem p;

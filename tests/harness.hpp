@@ -107,6 +107,10 @@ class Generator {
   std::mt19937_64 rng_;
 };
 
+// Teacher rows that name ids more than once: every fourth entry repeats the one before it, and
+// the first entry of each even row with a label is that label.
+void repeat_teacher_ids(reference::Problem& problem, int64_t n_tokens, int64_t top_k);
+
 // The problem with every float rounded as the library will store it: inputs to `dtype`,
 // teacher probabilities to compute_dtype(dtype). The reference is then run on this.
 reference::Problem rounded(const reference::Problem& problem, lmloss_dtype dtype);

@@ -587,11 +587,7 @@ TEST_F(Cuda, RepeatedTeacherIdsAddTheirTerms) {
                      (with_label ? " distill_mixed" : " distill_only"));
         ProblemSpec spec{.n_tokens = 6, .vocab = 5003, .hidden = 64, .top_k = top_k};
         reference::Problem p = gen.problem(spec);
-        for (int64_t t = 0; t < spec.n_tokens; ++t) {
-          int64_t* ids = p.teacher_ids.data() + t * top_k;
-          for (int64_t k = 3; k < top_k; k += 4) ids[k] = ids[k - 1];
-          if (t % 2 == 0 && p.labels[t] >= 0) ids[0] = p.labels[t];
-        }
+        repeat_teacher_ids(p, spec.n_tokens, top_k);
         lmloss_loss_options o = options_named("distill_mixed");
         if (!with_label) o.ce_weight = 0;
         LossCase c(p, o, setup(dtype, dtype));

@@ -437,11 +437,7 @@ TEST_P(Edge, RepeatedTeacherIdsAddTheirTerms) {
   const int64_t n = 6, vocab = 311;
   for (const int64_t k : {5, 300}) {
     reference::Problem p = gen.problem({.n_tokens = n, .vocab = vocab, .top_k = k});
-    for (int64_t t = 0; t < n; ++t) {
-      int64_t* ids = p.teacher_ids.data() + t * k;
-      for (int64_t e = 3; e < k; e += 4) ids[e] = ids[e - 1];
-      if (t % 2 == 0 && p.labels[t] >= 0) ids[0] = p.labels[t];
-    }
+    repeat_teacher_ids(p, n, k);
     for (const double ce_weight : {0.5, 0.0}) {
       SCOPED_TRACE(cat("k ", k, " ce_weight ", ce_weight));
       lmloss_loss_options o = lmloss_loss_options_default();
