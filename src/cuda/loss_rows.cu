@@ -133,10 +133,6 @@ __device__ __forceinline__ void narrow_row(const float* in, TOut* out, int64_t n
   }
 }
 
-// The id in the sort key of an entry that names none (the label where it takes no fix-up, or an
-// id out of range), and of the padding: it sorts after every id.
-constexpr uint64_t kNoEntryId = 0xffffffffu;
-
 // Sort keys (a power of two) of a row's entries where the rows take their entries ordered, else 0.
 __host__ __device__ constexpr int64_t entry_sort_keys(const LossRowsArgs& a) {
   if (!forms_gradient(a.work) || a.scales_only || a.entry_order == nullptr || !orders_entries(a.top_k, a.vocab))

@@ -131,8 +131,11 @@ constexpr float kExpFormRange = 40.f;
 // kOrderedEntriesMax, whose sort keys fill 32 KiB of shared memory.
 constexpr int64_t kOrderedEntriesMin = 256;
 constexpr int64_t kOrderedEntriesMax = 4096;
+// The id in the sort key of an entry that names none (the label where it takes no fix-up, or an
+// id out of range), and of the padding: it sorts after every id, so ids must stay below it.
+constexpr uint64_t kNoEntryId = 0xffffffffu;
 __host__ __device__ constexpr bool orders_entries(int64_t top_k, int64_t vocab) {
-  return top_k + 1 >= kOrderedEntriesMin && top_k + 1 <= kOrderedEntriesMax && vocab < (int64_t(1) << 32) - 1;
+  return top_k + 1 >= kOrderedEntriesMin && top_k + 1 <= kOrderedEntriesMax && vocab < int64_t(kNoEntryId);
 }
 
 // Enqueues the kernel (after the entries' order, where the rows take it) on `stream`;
