@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: the GPU tests against the float64 reference,
-# compute-sanitizer memcheck and racecheck on a small case, the CUDA benchmark at the issue's
-# presets, and the peers (PyTorch, torch.compile, Liger Kernel, Cut Cross-Entropy; the step also on
-# inputs shaped like a trained head's, where CCE's filtering works); a short table last. Logs and
-# JSON go to $OUT (default: gpu-check-out/).
+# compute-sanitizer memcheck, racecheck and synccheck on small cases, the CUDA benchmark at the
+# issue's presets, and the peers (PyTorch, torch.compile, Liger Kernel, Cut Cross-Entropy; the step
+# also on inputs shaped like a trained head's, where CCE's filtering works); a short table last.
+# Logs and JSON go to $OUT (default: gpu-check-out/).
 #
 #   scripts/gpu_check.sh [--build DIR] [--stages tests,sanitizer,bench,curve,peers] [--quick]
 #                        [--peer-rounds R]
@@ -131,11 +131,13 @@ fi
 if has_stage sanitizer; then
   echo "== compute-sanitizer (small cases)"
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     filter='Cuda.RunsAreBitwiseIdentical:Cuda.IdOutOfRange*:Cuda.TopkLargeKAndTiedRows:Cuda.TopkOfLongRows*:Cuda.LongRows*:Cuda.ForwardStatistics*:Cuda.FusedStepFromTheProduct*:Cuda.FusedStepWithFarLabels*:Cuda.DistillationFromTheProduct*:Cuda.TopkFromTheProduct*:Cuda.SixteenBitWeightGradient*:Cuda.RepeatedTeacherIds*'
     # racecheck takes the kernels that share memory between a block's threads: the rows
     # kernels' sorts and selects among them (~190 s on an H200), and the fix-ups' sort.
     [ $tool = racecheck ] && filter='Cuda.RunsAreBitwiseIdentical:Cuda.LongRows*:Cuda.TopkFromTheProductRecomputesGroups:Cuda.TopkOfLongRows*:Cuda.TopkLargeKAndTiedRows:Cuda.RepeatedTeacherIds*'
+    # synccheck: barriers every thread of a block reaches, in the kernels that take most of them.
+    [ $tool = synccheck ] && filter='Cuda.LongRows*:Cuda.TopkLargeKAndTiedRows:Cuda.FusedStepFromTheProduct*:Cuda.RepeatedTeacherIds*'
     run timeout 300 "$SAN" --tool $tool --error-exitcode 9 "$BUILD/tests/test_cuda" --gtest_filter="$filter" \
       > "$OUT/sanitizer_$tool.log" 2>&1
     rc=$?

@@ -575,24 +575,29 @@ TEST_F(Cuda, DistillationFromTheProductMatchesReference) {
 
 // A teacher may name an id more than once, and the label: each entry adds its term there. The rows
 // find the repeats by searching their entries (few or very many) or in their (id, entry) order
-// (256 to 4096 entries): k on both sides of each bound, through the logits (f32) and the product
-// (bf16, 16-bit gradients), with and without the label's term; every fourth entry repeats the one
-// before it and even rows' first entry is the label. Bitwise on a rerun.
+// (256 to 4096 entries): k on both sides of each bound and at both (255, 4095), through the logits
+// (f32) and the product (bf16, 16-bit gradients), with and without the label's term, in one chunk
+// and in chunks of a few of the 40 rows; every fourth entry repeats the one before it and even rows'
+// first entry is the label. Bitwise on a rerun.
 TEST_F(Cuda, RepeatedTeacherIdsAddTheirTerms) {
   Generator gen(4021);
-  for (const int64_t top_k : {16, 600, 3999, 4200}) {
+  for (const int64_t top_k : {16, 254, 255, 600, 3999, 4095, 4096, 4200}) {
     for (const lmloss_dtype dtype : {LMLOSS_F32, LMLOSS_BF16}) {
       for (const bool with_label : {true, false}) {
-        SCOPED_TRACE(std::string(dtype_name(dtype)) + " k " + std::to_string(top_k) +
-                     (with_label ? " distill_mixed" : " distill_only"));
-        ProblemSpec spec{.n_tokens = 6, .vocab = 5003, .hidden = 64, .top_k = top_k};
-        reference::Problem p = gen.problem(spec);
-        repeat_teacher_ids(p, spec.n_tokens, top_k);
-        lmloss_loss_options o = options_named("distill_mixed");
-        if (!with_label) o.ce_weight = 0;
-        LossCase c(p, o, setup(dtype, dtype));
-        lmloss::Context ctx;
-        ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
+        for (const bool chunked : {false, true}) {
+          SCOPED_TRACE(std::string(dtype_name(dtype)) + " k " + std::to_string(top_k) +
+                       (with_label ? " distill_mixed" : " distill_only") + (chunked ? " chunked" : ""));
+          ProblemSpec spec{.n_tokens = 40, .vocab = 5003, .hidden = 64, .top_k = top_k};
+          reference::Problem p = gen.problem(spec);
+          repeat_teacher_ids(p, spec.n_tokens, top_k);
+          lmloss_loss_options o = options_named("distill_mixed");
+          if (!with_label) o.ce_weight = 0;
+          LossCase c(p, o, setup(dtype, dtype));
+          lmloss::Context ctx;
+          if (chunked) ctx.set_workspace_budget(budget_for_rows(4, spec.vocab) + size_t(4 * 8) * (top_k + 1));
+          ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
+          EXPECT_LE(ctx.peak_workspace(), ctx.workspace_budget());
+        }
       }
     }
   }

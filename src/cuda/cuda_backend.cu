@@ -155,11 +155,12 @@ lmloss_status get_state(lmloss_context& context, int device, CudaState** out) {
                                       "into a CUDA graph; make one call on the context before capturing"));
     auto state = std::make_unique<CudaState>();
     state->device = device;
-    // Zeroed on the context's stream, which may not wait for the legacy default stream, so that
-    // the first kernels on it see the zeros.
+    // Zeroed on the context's stream (which may not wait for the legacy default stream), then
+    // waited for once: the context may later run on another stream, which would not wait for them.
     LMLOSS_CUDA_TRY(cudaMalloc(&state->error_flag, sizeof(int)));
     LMLOSS_CUDA_TRY(cudaMemsetAsync(state->error_flag, 0, sizeof(int), stream));
     if (const lmloss_status st = state->matmul.init(stream); st != LMLOSS_SUCCESS) return st;
+    LMLOSS_CUDA_TRY(cudaStreamSynchronize(stream));
     cudaStream_t side = nullptr;  // made now, so that no later call creates a stream
     LMLOSS_CHECK(state->side(&side));
     // Keep up to one budget of freed workspace in the stream-ordered pool between calls, so a
@@ -403,6 +404,7 @@ struct LossPlan {
                                   // any, holds its shifted logits in the inputs' dtype
   bool exp_form = false;          // those in the exponential form (loss_rows.cuh)
   bool dx_beside_dw = false;      // exp_form with dX and dW: a chunk's dX on the side stream
+  bool entries_ordered = false;   // the sparse scratch holds each row's entry order after its s
   std::optional<SlicedPlan> sliced;  // dX by slices of the vocabulary instead of token chunks
 };
 
@@ -614,8 +616,9 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   Piece* pc = p.layout.pieces;
   pc[kScalars].fixed = sizeof(CallScalars);
   if (reduced_loss) pc[kTokenLoss].fixed = sizeof(float) * call.n_tokens;
-  // s at the sparse entries, and their order where the rows take it (orders_entries).
-  pc[kSparse].per_row = sizeof(float) * size_t(call.top_k + 1) * (orders_entries(call.top_k, call.vocab) ? 2 : 1);
+  // s at the sparse entries, and their order where the rows' gradient takes it (orders_entries).
+  p.entries_ordered = orders_entries(call.top_k, call.vocab) && grads_computed(call);
+  pc[kSparse].per_row = sizeof(float) * size_t(call.top_k + 1) * (p.entries_ordered ? 2 : 1);
   if (call.linear) {
     p.logits_ld = (call.vocab + 7) / 8 * 8;
     // The gradient goes over the chunk's own f32 logits, narrowed to the input dtype in place
@@ -964,7 +967,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   a.scalars = scalars;
   a.error_flag = r.state.error_flag;
   a.sparse_s = sparse;
-  if (orders_entries(call.top_k, call.vocab))
+  if (plan.entries_ordered)
     a.entry_order = reinterpret_cast<uint32_t*>(sparse + R * (call.top_k + 1));
   a.bias = bias;
 
@@ -1565,7 +1568,9 @@ class CudaBackend final : public core::Backend {
     int flag = 0;
     LMLOSS_CUDA_TRY(cudaMemcpy(&flag, state->error_flag, sizeof(int), cudaMemcpyDeviceToHost));
     if (flag == 0) return LMLOSS_SUCCESS;
+    // Cleared before returning, so that the next call sees the flag clear on any stream.
     LMLOSS_CUDA_TRY(cudaMemsetAsync(state->error_flag, 0, sizeof(int), stream));
+    LMLOSS_CUDA_TRY(cudaStreamSynchronize(stream));
     return core::fail(LMLOSS_ERROR_ID_OUT_OF_RANGE,
                       "targets: a label or teacher id was out of range on the device; those tokens' "
                       "loss is NaN and their gradient zero");
