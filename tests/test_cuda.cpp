@@ -279,7 +279,7 @@ TEST_F(Cuda, ForwardOfManyTokensFromTheProductInChunksMatchesReference) {
 size_t product_path_workspace_bound(int64_t n_tokens, int64_t vocab, int64_t hidden, int64_t top_k, bool two_streams) {
   const size_t logits_row = size_t((vocab + 7) / 8 * 8);
   const size_t staging_row = std::max(logits_row, 6 * size_t(hidden));
-  const size_t entry_bytes = top_k + 1 >= 256 && top_k + 1 <= 4096 ? 8 : 4;
+  const size_t entry_bytes = top_k + 1 >= 256 && top_k + 1 <= 4096 ? 12 : 4;  // s, and the sorted key
   return (size_t(two_streams ? 64 : 32) << 20) +
          size_t(n_tokens) * (2 * logits_row + staging_row + entry_bytes * size_t(top_k + 1) + 64);
 }
@@ -594,7 +594,7 @@ TEST_F(Cuda, RepeatedTeacherIdsAddTheirTerms) {
           if (!with_label) o.ce_weight = 0;
           LossCase c(p, o, setup(dtype, dtype));
           lmloss::Context ctx;
-          if (chunked) ctx.set_workspace_budget(budget_for_rows(4, spec.vocab) + size_t(4 * 8) * (top_k + 1));
+          if (chunked) ctx.set_workspace_budget(budget_for_rows(4, spec.vocab) + size_t(4 * 12) * (top_k + 1));
           ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
           EXPECT_LE(ctx.peak_workspace(), ctx.workspace_budget());
         }

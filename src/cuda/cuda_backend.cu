@@ -355,7 +355,7 @@ MatmulShape logits_product(const Call& call, int64_t rows, int64_t logits_ld, si
 
 enum LossPiece {
   kLogitsChunk, kGradChunk, kPartials, kMatmulWs, kSideMatmulWs, kProductWs, kSparse, kLabelS, kExpShift,
-  kRowScale, kLabelGrad, kLabelOrder, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces
+  kRowScale, kLabelGrad, kLabelOrder, kEntryKeys, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces
 };
 
 // The vocabulary-sliced dX of a frozen head (run_sliced_dx): dX only, in the exponential form,
@@ -404,7 +404,6 @@ struct LossPlan {
                                   // any, holds its shifted logits in the inputs' dtype
   bool exp_form = false;          // those in the exponential form (loss_rows.cuh)
   bool dx_beside_dw = false;      // exp_form with dX and dW: a chunk's dX on the side stream
-  bool entries_ordered = false;   // the sparse scratch holds each row's entry order after its s
   std::optional<SlicedPlan> sliced;  // dX by slices of the vocabulary instead of token chunks
 };
 
@@ -616,9 +615,10 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   Piece* pc = p.layout.pieces;
   pc[kScalars].fixed = sizeof(CallScalars);
   if (reduced_loss) pc[kTokenLoss].fixed = sizeof(float) * call.n_tokens;
-  // s at the sparse entries, and their order where the rows' gradient takes it (orders_entries).
-  p.entries_ordered = orders_entries(call.top_k, call.vocab) && grads_computed(call);
-  pc[kSparse].per_row = sizeof(float) * size_t(call.top_k + 1) * (p.entries_ordered ? 2 : 1);
+  // s at the sparse entries, and their sorted keys where the rows' gradient takes them in order.
+  pc[kSparse].per_row = sizeof(float) * size_t(call.top_k + 1);
+  if (orders_entries(call.top_k, call.vocab) && grads_computed(call))
+    pc[kEntryKeys] = {0, sizeof(uint64_t) * size_t(call.top_k + 1), 16};
   if (call.linear) {
     p.logits_ld = (call.vocab + 7) / 8 * 8;
     // The gradient goes over the chunk's own f32 logits, narrowed to the input dtype in place
@@ -967,8 +967,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   a.scalars = scalars;
   a.error_flag = r.state.error_flag;
   a.sparse_s = sparse;
-  if (plan.entries_ordered)
-    a.entry_order = reinterpret_cast<uint32_t*>(sparse + R * (call.top_k + 1));
+  a.entry_keys = static_cast<uint64_t*>(piece(kEntryKeys));
   a.bias = bias;
 
   const lmloss_grads& g = call.grads;

@@ -135,7 +135,7 @@ __device__ __forceinline__ void narrow_row(const float* in, TOut* out, int64_t n
 
 // Sort keys (a power of two) of a row's entries where the rows take their entries ordered, else 0.
 __host__ __device__ constexpr int64_t entry_sort_keys(const LossRowsArgs& a) {
-  if (!forms_gradient(a.work) || a.scales_only || a.entry_order == nullptr || !orders_entries(a.top_k, a.vocab))
+  if (!forms_gradient(a.work) || a.scales_only || a.entry_keys == nullptr || !orders_entries(a.top_k, a.vocab))
     return 0;
   int64_t keys = kOrderedEntriesMin;
   while (keys < a.top_k + 1) keys *= 2;
@@ -181,7 +181,7 @@ __device__ __forceinline__ int64_t fixup_label(const LossRowsArgs& a, int64_t t)
   return label == a.ignore_index ? -1 : label;
 }
 
-// Each row's entries ordered by (id, entry) into entry_order: keys (id << 32 | entry) sorted in
+// Each row's entries ordered by (id, entry) into entry_keys: keys (id << 32 | entry) sorted in
 // shared memory, ids out of range and the padding keyed past every id. A kernel of its own: the
 // same sort inside the rows kernel came out unsorted on H100 and H200 (run 57), alone it does not.
 constexpr int kOrderThreads = 256;
@@ -197,8 +197,8 @@ __global__ void __launch_bounds__(kOrderThreads) entry_order_kernel(const LossRo
     }
     __syncthreads();
     block_bitonic_sort(keys, n_keys);
-    uint32_t* order = a.entry_order + r * entries;
-    for (int64_t i = threadIdx.x; i < entries; i += blockDim.x) order[i] = uint32_t(keys[i]);
+    uint64_t* sorted = a.entry_keys + r * entries;
+    for (int64_t i = threadIdx.x; i < entries; i += blockDim.x) sorted[i] = keys[i];
     __syncthreads();  // the keys are written again for the next row
   }
 }
@@ -415,14 +415,17 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
                                        : sparse_value(s, correction) * unscale);
       };
       if (ordered) {
-        // An id's entries lie together, in entry order; the first of them leads.
-        const uint32_t* order = a.entry_order + r * sparse_ld;
+        // An id's entries lie together, in entry order; the first of them leads. The keys carry
+        // the ids: no entry's id is loaded again.
+        const uint64_t* keys = a.entry_keys + r * sparse_ld;
+        auto key_id = [](uint64_t key) { return key >> 32; };
         for (int64_t i = threadIdx.x; i <= K; i += blockDim.x) {
-          const int64_t id = id_of(order[i]);
-          if (id < 0 || (i > 0 && id_of(order[i - 1]) == id)) continue;
+          const uint64_t key = keys[i];
+          if (key_id(key) == kNoEntryId || (i > 0 && key_id(keys[i - 1]) == key_id(key))) continue;
           float correction = 0.f;
-          for (int64_t f = i; f <= K && id_of(order[f]) == id; ++f) correction += entry_correction(order[f]);
-          write_fixup(id, order[i], correction);
+          for (int64_t f = i; f <= K && key_id(keys[f]) == key_id(key); ++f)
+            correction += entry_correction(uint32_t(keys[f]));
+          write_fixup(int64_t(key_id(key)), uint32_t(key), correction);
         }
       } else {
         for (int64_t e = threadIdx.x; e <= K; e += blockDim.x) {

@@ -74,9 +74,10 @@ struct LossRowsArgs {
   const CallScalars* scalars = nullptr;
   int* error_flag = nullptr;
   float* sparse_s = nullptr;     // (rows, top_k + 1) scratch: s at the label, then the teacher ids
-  // (rows, top_k + 1) scratch where orders_entries(top_k, vocab): each row's entries ordered by
-  // (id, entry), written by a kernel of their own before the rows (see launch_loss_rows).
-  uint32_t* entry_order = nullptr;
+  // (rows, top_k + 1) scratch where orders_entries(top_k, vocab): each row's entries as keys
+  // (id << 32 | entry) in ascending order, written by a kernel of their own before the rows (see
+  // launch_loss_rows).
+  uint64_t* entry_keys = nullptr;
 
   // stats_from_partials (no teacher) and stats_and_grad_from_partials, no bias or soft-capping:
   // per row, partial_tiles (max, sum exp(s - max), sum s) of column tiles, and s at the label.
