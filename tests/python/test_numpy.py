@@ -43,6 +43,25 @@ def check(out, ref, dtype, what):
     assert err <= TOLERANCE[dtype], f"{what}: relative error {err:.3g} > {TOLERANCE[dtype]:g}"
 
 
+def check_rounded_once(r16, r32):
+    """A 16-bit gradient summed in float32 and rounded once, against the float32 gradient of the
+    same call. The 16-bit one's sum may come from BLAS products over two blocks of rows (its own
+    bytes and a tail), whose last bits BLAS may round otherwise than one product's; so where the
+    float32 value lies within 4 of its ulps of a midpoint of the 16-bit type, either neighbour
+    of that midpoint is its rounding. Everywhere else the two are equal."""
+    want = r32.astype(r16.dtype)
+    differ = r16 != want
+    if not differ.any():
+        return
+    lo, hi = np.minimum(r16[differ], want[differ]), np.maximum(r16[differ], want[differ])
+    assert np.array_equal(np.nextafter(lo, np.array(np.inf, r16.dtype)), hi), \
+        "a 16-bit gradient further than one step from its float32 sum rounded"
+    x = r32[differ].astype(np.float64)
+    midpoint = (lo.astype(np.float64) + hi.astype(np.float64)) / 2
+    assert np.all(np.abs(x - midpoint) <= 4 * np.spacing(np.abs(r32[differ]))), \
+        "a 16-bit gradient rounded away from its float32 sum"
+
+
 def check_loss(out, ref, reduction, dtype):
     if reduction == "none":
         assert isinstance(out, np.ndarray)
@@ -213,7 +232,7 @@ def test_linear_cross_entropy_grad_weight_dtype():
     r32 = lmloss.linear_cross_entropy(x, w, y, grad=True, grad_weight_dtype=np.float32)
     assert r16.grad_weight.dtype == np.float16 and r32.grad_weight.dtype == np.float32
     assert rel_err(r32.grad_weight, dw) <= TOLERANCE["float32"]
-    np.testing.assert_array_equal(r16.grad_weight, r32.grad_weight.astype(np.float16))
+    check_rounded_once(r16.grad_weight, r32.grad_weight)
     with pytest.raises(TypeError, match="grad_weight"):
         lmloss.linear_cross_entropy(x.astype(np.float32), w.astype(np.float32), y, grad=True,
                                     grad_weight_dtype="float64")
@@ -235,7 +254,7 @@ def test_sixteen_bit_weight_gradient_beyond_the_workspace_budget():
         r32 = lmloss.linear_cross_entropy(x, w, y, grad=True, grad_weight_dtype="float32")
     finally:
         lmloss.set_workspace_budget(before)
-    np.testing.assert_array_equal(r16.grad_weight, r32.grad_weight.astype(np.float16))
+    check_rounded_once(r16.grad_weight, r32.grad_weight)
 
 
 def test_linear_cross_entropy_small_workspace_budget():
@@ -618,7 +637,7 @@ def test_sixteen_bit_weight_gradient_is_its_float32_sum_rounded(vocab):
     y = make_labels(rng, 13, vocab)
     r16 = lmloss.linear_cross_entropy(x, w, y, grad=True)
     r32 = lmloss.linear_cross_entropy(x, w, y, grad=True, grad_weight_dtype=np.float32)
-    np.testing.assert_array_equal(r16.grad_weight, r32.grad_weight.astype(np.float16))
+    check_rounded_once(r16.grad_weight, r32.grad_weight)
 
 
 def test_sixteen_bit_weight_gradient_not_aligned_to_16_bytes(monkeypatch):
@@ -642,7 +661,7 @@ def test_sixteen_bit_weight_gradient_not_aligned_to_16_bytes(monkeypatch):
     r16 = lmloss.linear_cross_entropy(x, w, y, grad=True)
     assert r16.grad_weight.ctypes.data % 16 != 0
     r32 = lmloss.linear_cross_entropy(x, w, y, grad=True, grad_weight_dtype=np.float32)
-    np.testing.assert_array_equal(r16.grad_weight, r32.grad_weight.astype(np.float16))
+    check_rounded_once(r16.grad_weight, r32.grad_weight)
 
 
 def test_extension_refuses_what_it_cannot_describe():
