@@ -183,7 +183,8 @@ __device__ __forceinline__ int64_t fixup_label(const LossRowsArgs& a, int64_t t)
 
 // Each row's entries ordered by (id, entry) into entry_keys: keys (id << 32 | entry) sorted in
 // shared memory, ids out of range and the padding keyed past every id. A kernel of its own: the
-// same sort inside the rows kernel came out unsorted on H100 and H200 (run 57), alone it does not.
+// same sort inside the rows kernel came out unsorted on H100 and H200 (run 57), alone it does not
+// (run 59 found the rows kernel's warp 0 reaching a barrier split, which may be why).
 constexpr int kOrderThreads = 256;
 __global__ void __launch_bounds__(kOrderThreads) entry_order_kernel(const LossRowsArgs a) {
   extern __shared__ uint64_t keys[];  // (entry_sort_keys(a))
