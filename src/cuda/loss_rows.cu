@@ -363,11 +363,19 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     if (exp_form) {
       // With scales_only every row is kept: its stored values are gone, its far tiles come later.
       kept = g == 0.f || a.scales_only || (fabsf(lse - shift) <= kExpFormRange && p_coef != 0.f);
+      unscale = 1.f / a.scalars->token_scale;
+      // Every thread forms the row's scales, thread 0 only stores them. With the division inside
+      // a branch of thread 0, ptxas left warp 0 split up to the barrier after the gradient writes,
+      // which let the other warps pass it before lanes 1-31 had written: their dense values then
+      // went over the other warps' fix-ups (run 59).
+      const float row_coef = g == 0.f ? 0.f : p_coef * scale.derivative(0.f);
+      const float row_scale = g == 0.f ? 0.f : kept ? row_coef * expf(shift - lse) * unscale : 1.f;
+      const float label_grad = label_entry ? weights.label_correction(g) * scale.derivative(0.f) : 0.f;
       if (threadIdx.x == 0) {
-        a.row_scale[r] = g == 0.f ? 0.f : kept ? p_coef * expf(shift - lse) * scale.derivative(0.f) / a.scalars->token_scale : 1.f;
-        a.label_grad[r] = label_entry ? weights.label_correction(g) * scale.derivative(0.f) : 0.f;
+        a.row_scale[r] = row_scale;
+        a.label_grad[r] = label_grad;
         if (a.scales_only) {
-          a.row_coef[r] = g == 0.f ? 0.f : p_coef * scale.derivative(0.f);
+          a.row_coef[r] = row_coef;
           a.row_lse[r] = lse;
         }
       }
@@ -375,7 +383,6 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
         __syncthreads();
         continue;
       }
-      unscale = 1.f / a.scalars->token_scale;
     }
     if (kept) {
       // The stored row stands; at the sparse entries (below) exp(s - shift) gains

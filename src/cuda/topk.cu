@@ -788,8 +788,11 @@ __global__ void __launch_bounds__(kBarThreads) topk_bar_kernel(const TopkBarArgs
       k_rem -= above;
       __syncthreads();  // hist, digit and above are written again
     }
+    // Every thread finds the bar, thread 0 only stores it: its search (calls, loops) in a branch of
+    // thread 0 could leave warp 0 split into the next row's barrier, as the rows kernel's was.
+    const float bar = unscaled_bar(key_value(prefix), a.inv_temperature);
     if (threadIdx.x == 0) {
-      a.bar[r] = unscaled_bar(key_value(prefix), a.inv_temperature);
+      a.bar[r] = bar;
       a.kept_count[r] = 0;
     }
   }
