@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: the GPU tests against the float64 reference,
-# compute-sanitizer memcheck and racecheck on small cases, the CUDA benchmark at the issue's
-# presets, and the peers (PyTorch, torch.compile, Liger Kernel, Cut Cross-Entropy; the step also on
-# inputs shaped like a trained head's, where CCE's filtering works); a short table last. Logs and
-# JSON go to $OUT (default: gpu-check-out/).
+# compute-sanitizer memcheck, racecheck and synccheck on small cases, the CUDA benchmark at the
+# issue's presets, and the peers (PyTorch, torch.compile, Liger Kernel, Cut Cross-Entropy; the step
+# also on inputs shaped like a trained head's, where CCE's filtering works); a short table last.
+# Logs and JSON go to $OUT (default: gpu-check-out/).
 #
 #   scripts/gpu_check.sh [--build DIR] [--stages tests,sanitizer,bench,curve,peers] [--quick]
 #                        [--peer-rounds R]
@@ -11,8 +11,7 @@
 # --stages may also name dw (not run by default): a 16-bit dW timed six ways, its products in two
 # parts against one batched product, lmloss's dW errors against float64, and lmloss.torch with its
 # dW's f32 sum kept against a float32 dW of its own, beside torch.compile; and kernels: the
-# forward and the step kernel by kernel under ncu; and synccheck: compute-sanitizer's synccheck on
-# the kernels with the most barriers (it reports one today: see docs/performance.md, run 59).
+# forward and the step kernel by kernel under ncu; and synccheck alone (also part of sanitizer).
 #
 # The build folder (default build-cuda) is used as it is when it holds the binaries (a build made
 # on another machine: scripts/gpu_build.sh --pack), else configured and built here. Python peers
@@ -159,10 +158,10 @@ if has_stage sanitizer; then
   fi
 fi
 
-# Not in the default stages: synccheck over the kernels that take most barriers. It stops the
-# bf16 rows kernel at the barrier after its gradient writes ("divergent thread(s) in warp"): the
-# warp that the branch of thread 0 before it splits arrives in two parts (run 59).
-if has_stage synccheck; then
+# synccheck over the kernels that take most barriers: a warp split by a branch of thread 0 that
+# reaches a barrier in two parts lets the other warps pass it early (run 59: dense values written
+# over fix-ups).
+if has_stage sanitizer || has_stage synccheck; then
   echo "== compute-sanitizer synccheck"
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   filter='Cuda.LongRows*:Cuda.TopkLargeKAndTiedRows:Cuda.TopkOfLongRows*:Cuda.TopkFromTheProductRecomputesGroups:Cuda.FusedStepFromTheProduct*:Cuda.FusedStepWithFarLabels*:Cuda.DistillationFromTheProduct*:Cuda.RepeatedTeacherIdsAddTheirTermsAcrossChunks'
