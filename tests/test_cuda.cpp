@@ -311,13 +311,14 @@ TEST_F(Cuda, ForwardOfManyTokensFromTheProductInChunksMatchesReference) {
 // exponential form's staging (an f32 dX row and a bf16 row of X at once: 6 bytes per hidden unit)
 // where that is more than 1 byte per logit (else up to the midpoint of 3 bytes per logit, where
 // the cuBLASLt path holds 4), the teacher's scratch (4 bytes an entry, 8 from 256 to 4096 entries,
-// which the rows take in (id, entry) order), and 64 bytes a row for the rest.
+// which the rows take in (id, entry) order), dW's large entries (16 slots of 20 bytes a row, and
+// their sort's scratch: 1 MiB is ample for these shapes), and 64 bytes a row for the rest.
 size_t product_path_workspace_bound(int64_t n_tokens, int64_t vocab, int64_t hidden, int64_t top_k, bool two_streams) {
   const size_t logits_row = size_t((vocab + 7) / 8 * 8);
   const size_t staging_row = std::max(logits_row, 6 * size_t(hidden));
   const size_t entry_bytes = top_k + 1 >= 256 && top_k + 1 <= 4096 ? 12 : 4;  // s, and the sorted key
-  return (size_t(two_streams ? 64 : 32) << 20) +
-         size_t(n_tokens) * (2 * logits_row + staging_row + entry_bytes * size_t(top_k + 1) + 64);
+  return (size_t(two_streams ? 65 : 33) << 20) +
+         size_t(n_tokens) * (2 * logits_row + staging_row + entry_bytes * size_t(top_k + 1) + 320 + 64);
 }
 
 // The fused forward+backward of the same heads: statistics from the product's epilogue, the
@@ -551,6 +552,47 @@ TEST_F(Cuda, FusedStepKeepsTheLabelTermExactWithF32Gradients) {
       const reference::LossResult ref = c.reference();
       EXPECT_LT(reference::relative_error(c.grad_hidden.values(), ref.grad_hidden), shape.bound);
       EXPECT_LT(reference::relative_error(c.grad_weight.values(), ref.grad_weight), shape.bound);
+    }
+  }
+}
+
+// Peaked rows, as a trained head's: each token's hidden state lifted along 4 rows of W drawn from
+// a pool of 64 (so ~1.7 columns a row hold p >= 1/16, the same columns across many rows), the
+// label one of them, bf16 head, f32 gradients. dW's products round those columns' large terms
+// (stored values and scaled rows of X, both bf16): 1.4e-3 of dW here by a bf16 emulation of the
+// exponential form, 1.0e-4 with the entries of p >= 1/16 exact, as the row kernel takes them
+// (LossRowsArgs::large_cols). With a teacher too, its ids on the lifted columns (repeated where
+// drawn twice): their corrections join the exact terms. One chunk and several; bitwise on a rerun.
+TEST_F(Cuda, FusedStepTakesPeakedRowsLargeEntriesExactly) {
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
+  Generator gen(4023);
+  const int64_t n_tokens = 512, vocab = 8191, hidden = 256, lifted = 4, pool = 64;
+  for (const bool with_teacher : {false, true}) {
+    reference::Problem p = gen.problem(
+        {.n_tokens = n_tokens, .vocab = vocab, .hidden = hidden, .top_k = with_teacher ? int64_t(8) : 0});
+    p.weight = gen.normal(size_t(vocab * hidden), 2.0 / std::sqrt(double(hidden)));
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      int64_t ids[lifted];
+      for (int64_t k = 0; k < lifted; ++k) {
+        ids[k] = (97 * gen.index(pool) + 5) % vocab;
+        const double* w = &p.weight[size_t(ids[k] * hidden)];
+        double norm2 = 0;
+        for (int64_t h = 0; h < hidden; ++h) norm2 += w[h] * w[h];
+        const double lift = 10 + 2 * gen.normal(1)[0];
+        for (int64_t h = 0; h < hidden; ++h) p.hidden_states[size_t(t * hidden + h)] += lift / norm2 * w[h];
+        if (with_teacher) p.teacher_ids[size_t(t * p.top_k + k)] = ids[k];
+      }
+      if (p.labels[size_t(t)] != -100) p.labels[size_t(t)] = ids[gen.index(lifted)];  // ignored ones stay
+    }
+    for (const bool chunked : {false, true}) {
+      SCOPED_TRACE(std::string(with_teacher ? "distill_mixed" : "plain") + (chunked ? " chunked" : ""));
+      LossCase c(p, options_named(with_teacher ? "distill_mixed" : "plain"), setup(LMLOSS_BF16, LMLOSS_F32));
+      lmloss::Context ctx;
+      if (chunked) ctx.set_workspace_budget(budget_for_rows(n_tokens / 3, vocab) + (size_t(1) << 20));
+      ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
+      const reference::LossResult ref = c.reference();
+      EXPECT_LT(reference::relative_error(c.grad_weight.values(), ref.grad_weight), 4e-4);
+      EXPECT_LE(ctx.peak_workspace(), ctx.workspace_budget());
     }
   }
 }

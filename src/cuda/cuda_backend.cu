@@ -355,7 +355,7 @@ MatmulShape logits_product(const Call& call, int64_t rows, int64_t logits_ld, si
 
 enum LossPiece {
   kLogitsChunk, kGradChunk, kPartials, kMatmulWs, kSideMatmulWs, kProductWs, kSparse, kLabelS, kExpShift,
-  kRowScale, kLabelGrad, kLabelOrder, kEntryKeys, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces
+  kRowScale, kLabelGrad, kLabelOrder, kLargeList, kEntryKeys, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces
 };
 
 // The vocabulary-sliced dX of a frozen head (run_sliced_dx): dX only, in the exponential form,
@@ -660,6 +660,11 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
       p.exp_form = true;
       pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = {0, sizeof(float), 16};
       if (orders_labels) pc[kLabelOrder] = {order_bytes, 0, 256};
+      // dW's large entries (LossRowsArgs::large_cols), where their sort's scratch can be had.
+      const size_t large_sort = call.grads.grad_weight.data ? large_entries_sort_bytes(std::min(call.n_tokens,
+                                                                                                kProductDimLimit))
+                                                            : 0;
+      if (large_sort > 0) pc[kLargeList] = {large_sort + 5 * 256, kLargeEntriesRowBytes, 256};
       // With dX and dW both wanted, a chunk's dX runs beside its dW (run_loss), so the staging
       // holds the f32 dX and the scaled X at once, and the side's product has scratch of its own
       // as large as the main one's (half each measured 0.3-0.8 ms slower at gemma2-2b, run 36).
@@ -680,7 +685,7 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     // A budget too small for the exponential form's pieces (the label order takes 16 bytes a
     // token, the f32 dX 4 x hidden a row) may still hold the gradient pass's.
     p.exp_form = p.dx_beside_dw = false;
-    pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = pc[kLabelOrder] = pc[kSideMatmulWs] = {};
+    pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = pc[kLabelOrder] = pc[kLargeList] = pc[kSideMatmulWs] = {};
     pc[kPartials] = {0, partials_row_bytes(call.vocab), 256};
     p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
   }
@@ -916,6 +921,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   auto* row_scale = static_cast<float*>(piece(kRowScale));
   auto* label_grad = static_cast<float*>(piece(kLabelGrad));
   void* label_order = piece(kLabelOrder);
+  void* large_list = piece(kLargeList);
+  const LargeEntries large = large_list ? large_entries_at(large_list, pc[kLargeList].bytes(R), R) : LargeEntries{};
   // The exponential form's dX in f32 and its scaled X (see plan_loss): after one another in the
   // same bytes, or side by side when dX runs beside dW.
   void* staging = partials;
@@ -958,6 +965,9 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       a.weight_ld = row_stride(call.head.weight);
       a.hidden_size = call.hidden;
       a.head_dtype = call.input_dtype;
+      a.large_cols = large.cols;
+      a.large_coefs = large.coefs;
+      a.large_slots = large.slots;
     }
   }
   a.token_loss = loss_wanted ? token_loss : nullptr;
@@ -1187,6 +1197,20 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       if (label_rows.coef)
         LMLOSS_CHECK(launch_add_label_rows(label_order, call.n_tokens, label_rows, rows, x_chunk, x_ld, call.hidden,
                                            dw, r.stream));
+      if (large.cols) {  // the large entries' exact terms in place of the product's
+        LargeEntriesTerms terms;
+        terms.rows = rows;
+        terms.vocab = call.vocab;
+        terms.cols = call.hidden;
+        terms.x = x_chunk;
+        terms.x_ld = x_ld;
+        terms.xs = x_rows;
+        terms.xs_ld = s.lda;
+        terms.stored = grad;
+        terms.stored_ld = plan.grad_ld;
+        terms.scalars = scalars;
+        LMLOSS_CHECK(launch_add_large_entries(large, terms, dw, r.stream));
+      }
     }
     if (bias_grad)
       LMLOSS_CHECK(launch_column_sum(grad, plan.grad_ld, gtype, rows, call.vocab, row0 > 0, scalars,

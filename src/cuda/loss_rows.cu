@@ -19,6 +19,10 @@ namespace lmloss::cuda {
 namespace {
 
 constexpr int kRowThreads = 512;
+// The column tiles a row's large entries may lie in, and the entries found, at most (more: none
+// taken); of those found, the kLargeEntries of the lowest columns are taken.
+constexpr int kLargeTilesMax = 32;
+constexpr int kLargeFoundMax = 2 * kLargeEntries;
 // The product path's rows read their column tiles' partials, not the logits (a kept row of the
 // exponential form reads nothing else): short chains of dependent loads, which more rows in flight
 // hide better than more threads a row (on an H200, 128 threads took gemma2-2b's row kernels from
@@ -209,6 +213,13 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
   __shared__ float2 maxsum_scratch[32];
   __shared__ float sum_scratch[32];
   __shared__ int row_bad;
+  // dW's large entries (LossRowsArgs::large_cols): the column tiles that may hold one; the
+  // columns found, in the order found, with the sums of the corrections that land on them; then
+  // the first kLargeEntries of them in column order.
+  __shared__ int large_tiles[kLargeTilesMax];
+  __shared__ int large_tile_count, large_found;
+  __shared__ uint32_t found_cols[kLargeFoundMax], large_cols[kLargeEntries];
+  __shared__ float found_corrections[kLargeFoundMax], large_corrections[kLargeEntries];
   const bool ordered = entry_sort_keys(a) > 0;
   const int64_t V = a.vocab;
   const int64_t K = a.top_k;
@@ -243,6 +254,14 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     // The exponential form (see LossRowsArgs): what the stored value at column j is relative to.
     const bool exp_form = kExpFormTypes && a.exp_shift != nullptr;
     const float shift = exp_form ? a.exp_shift[r] : 0.f;
+    const bool finds_large = exp_form && a.large_cols != nullptr;
+    // Row r's large-entry slots: slot l gets column col and dl/dz coef (a warp's lane 0 writes it).
+    auto write_large_slot = [&](int l, uint32_t col, float coef) {
+      const int64_t slot = r * kLargeEntries + l;
+      a.large_cols[slot] = col;
+      a.large_coefs[slot] = coef;
+      a.large_slots[slot] = int32_t(slot);
+    };
     auto reference = [&](float tile_max) { return fmaxf(shift, tile_max - kExpFormMargin); };
     // s at column j from its stored value v = exp(s - reference); from the head where v is too
     // small for its log to be exact (s far below the row's shift and tile maxima: rare).
@@ -277,6 +296,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
         *a.error_flag = 1;
       }
       if (wants_grad && !a.scales_only) write_row(z, dz, V, [](int64_t, float) { return 0.f; });
+      if (finds_large && threadIdx.x < kLargeEntries) write_large_slot(threadIdx.x, kNoLargeEntry, 0.f);
       __syncthreads();
       continue;
     }
@@ -349,13 +369,48 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     }
     const float p_coef = weights.p_coef(g, lse, teacher_mass);
     const float offset = weights.offset(g);
+    // dW's large entries: the columns of p >= 1 / kLargeEntryInverse, read before the in-place
+    // writes (s from the stored value, in the tiles whose maximum passes), then (at the
+    // fix-ups) the label's and teacher ids' of |dl/dz| >= |p_coef| / kLargeEntryInverse; none
+    // where more tiles or columns pass than there is room for (then the row is not peaked).
+    // Which columns are taken moves only how much rounding dW keeps, not what it sums to.
+    int dense_found = 0;
+    if (finds_large) {
+      const float bar = lse - logf(kLargeEntryInverse);
+      if (threadIdx.x == 0) large_tile_count = large_found = 0;
+      __syncthreads();
+      if (g != 0.f)
+        for (int64_t i = threadIdx.x; i < a.partial_tiles; i += blockDim.x)
+          if (partial[i].x >= bar) {
+            const int at = atomicAdd(&large_tile_count, 1);
+            if (at < kLargeTilesMax) large_tiles[at] = int(i);
+          }
+      __syncthreads();
+      const int tiles = large_tile_count <= kLargeTilesMax ? large_tile_count : 0;
+      for (int64_t i = threadIdx.x; i < tiles * kRowStatsTileColumns; i += blockDim.x) {
+        const int64_t j = large_tiles[i / kRowStatsTileColumns] * kRowStatsTileColumns + i % kRowStatsTileColumns;
+        if (j >= V) continue;
+        const float v = to_float(z[j]);
+        if (v > 0.f && reference(tile_shift(partial, j)) + logf(v) >= bar) {
+          const int at = atomicAdd(&large_found, 1);
+          if (at < kLargeFoundMax) {
+            found_cols[at] = uint32_t(j);
+            found_corrections[at] = 0.f;
+          }
+        }
+      }
+      __syncthreads();
+      dense_found = large_found <= kLargeFoundMax ? large_found : 0;
+    }
     __syncthreads();  // every sparse read above happens before the in-place writes below
     // The value written at the label and the teacher ids, given s there and the sum of the
     // corrections that land on it.
     auto sparse_value = [&](float s, float correction) {
       return (p_coef * expf(s - lse) + offset + correction) * scale.derivative(s);
     };
-    const bool label_entry = label_used && weights.alpha != 0.f;
+    // The label's id where its entry takes a fix-up (as the order kernel keys it), else -1.
+    const int64_t label_id = fixup_label(a, t);
+    const bool label_entry = label_id >= 0;
     // The exponential form: rows kept as stored, the rest as the other forms but / token_scale;
     // either way the label's one-hot term goes to label_grad, not into the stored row.
     bool kept = false;
@@ -410,7 +465,6 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     // that lands on them, written once by the first entry naming that id (so duplicates are
     // summed in entry order, deterministically). Entry 0 is the label, entry 1 + k teacher k.
     if (g != 0.f) {
-      const int64_t label_id = label_entry ? label : -1;
       auto id_of = [&](int64_t e) { return entry_id(a, t, label_id, e); };
       auto entry_correction = [&](int64_t e) -> float {
         return e == 0 ? (exp_form ? 0.f : weights.label_correction(g))
@@ -419,6 +473,21 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
       // Writes id's value, from leader e (the first entry naming it) and its corrections' sum.
       auto write_fixup = [&](int64_t id, int64_t e, float correction) {
         const float s = sparse[e];
+        if (finds_large) {  // the id's one leader records its corrections, or adds it as large
+          bool found = false;
+          for (int l = 0; l < dense_found; ++l)
+            if (found_cols[l] == uint64_t(id)) {
+              found_corrections[l] = correction;
+              found = true;
+            }
+          if (!found && fabsf(p_coef * expf(s - lse) + correction) * kLargeEntryInverse >= fabsf(p_coef)) {
+            const int at = atomicAdd(&large_found, 1);
+            if (at < kLargeFoundMax) {
+              found_cols[at] = uint32_t(id);
+              found_corrections[at] = correction;
+            }
+          }
+        }
         dz[id] = from_float<TOut>(kept ? expf(s - shift) + correction * expf(lse - shift) / p_coef
                                        : sparse_value(s, correction) * unscale);
       };
@@ -450,6 +519,36 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
       }
     }
     __syncthreads();
+
+    // The large entries in column order (the columns are distinct), the first kLargeEntries
+    // taken; their dl/dz with s recomputed from the head, a warp a slot at a time.
+    if (finds_large) {
+      const int found = large_found <= kLargeFoundMax ? large_found : 0;
+      if (threadIdx.x < found) {
+        const uint32_t col = found_cols[threadIdx.x];
+        int rank = 0;
+        for (int m = 0; m < found; ++m) rank += found_cols[m] < col;
+        if (rank < kLargeEntries) {
+          large_cols[rank] = col;
+          large_corrections[rank] = found_corrections[threadIdx.x];
+        }
+      }
+      __syncthreads();
+      const int large_taken = min(found, kLargeEntries);
+      for (int l = threadIdx.x / 32; l < kLargeEntries; l += blockDim.x / 32) {
+        uint32_t col = kNoLargeEntry;
+        float coef = 0.f;
+        if (l < large_taken) {
+          col = large_cols[l];
+          const auto* x = static_cast<const __nv_bfloat16*>(a.hidden) + t * a.hidden_ld;
+          const auto* w = static_cast<const __nv_bfloat16*>(a.weight) + int64_t(col) * a.weight_ld;
+          const float s = warp_dot(x, w, a.hidden_size) * scale.inv_temperature;
+          coef = sparse_value(s, large_corrections[l]);
+        }
+        if (threadIdx.x % 32 == 0) write_large_slot(l, col, coef);
+      }
+      __syncthreads();  // the shared columns are written again for the next row
+    }
   }
 }
 
@@ -649,6 +748,45 @@ __global__ void __launch_bounds__(kLabelThreads)
         const Pack<__nv_bfloat16, kWidth> xv = *reinterpret_cast<const Pack<__nv_bfloat16, kWidth>*>(x + r * x_ld + j);
 #pragma unroll
         for (int e = 0; e < kWidth; ++e) sum[e] = fmaf(c, __bfloat162float(xv.v[e]), sum[e]);
+      }
+      Pack<TOut, kWidth>* at = reinterpret_cast<Pack<TOut, kWidth>*>(o + j);
+      Pack<TOut, kWidth> ov = *at;
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) ov.v[e] = from_float<TOut>(to_float(ov.v[e]) + sum[e]);
+      *at = ov;
+    }
+  }
+}
+
+// One block per position of the large entries' order (see launch_add_large_entries): the first
+// slot of a column sums its slots' terms (adjacent in the order, rows in order) and adds them to
+// out's row of the column, rounding once; kWidth columns of X per thread at a time.
+template <typename TOut, int kWidth>
+__global__ void __launch_bounds__(kLabelThreads)
+    add_large_entries_kernel(const uint32_t* cols, const int32_t* slots, const float* coefs, int64_t n,
+                             const LargeEntriesTerms terms, TOut* __restrict__ out, int64_t out_ld,
+                             TOut* __restrict__ tail, int64_t tail_ld, int64_t split) {
+  const auto* x = static_cast<const __nv_bfloat16*>(terms.x);
+  const auto* xs = static_cast<const __nv_bfloat16*>(terms.xs);
+  const auto* stored = static_cast<const __nv_bfloat16*>(terms.stored);
+  const float token_scale = terms.scalars->token_scale;
+  for (int64_t p = blockIdx.x; p < n; p += gridDim.x) {
+    const uint32_t col = cols[p];
+    if (col >= uint64_t(terms.vocab) || (p > 0 && cols[p - 1] == col)) continue;
+    int64_t last = p;
+    while (last + 1 < n && cols[last + 1] == col) ++last;
+    TOut* o = col < split ? out + int64_t(col) * out_ld : tail + (int64_t(col) - split) * tail_ld;
+    for (int64_t j = int64_t(threadIdx.x) * kWidth; j < terms.cols; j += int64_t(blockDim.x) * kWidth) {
+      float sum[kWidth] = {};
+      for (int64_t q = p; q <= last; ++q) {
+        const int64_t slot = slots[q], r = slot / kLargeEntries;
+        const float c = coefs[slot];
+        const float product_coef = token_scale * __bfloat162float(stored[r * terms.stored_ld + col]);
+        const Pack<__nv_bfloat16, kWidth> xv = *reinterpret_cast<const Pack<__nv_bfloat16, kWidth>*>(x + r * terms.x_ld + j);
+        const Pack<__nv_bfloat16, kWidth> sv = *reinterpret_cast<const Pack<__nv_bfloat16, kWidth>*>(xs + r * terms.xs_ld + j);
+#pragma unroll
+        for (int e = 0; e < kWidth; ++e)
+          sum[e] += fmaf(c, __bfloat162float(xv.v[e]), -product_coef * __bfloat162float(sv.v[e]));
       }
       Pack<TOut, kWidth>* at = reinterpret_cast<Pack<TOut, kWidth>*>(o + j);
       Pack<TOut, kWidth> ov = *at;
@@ -992,6 +1130,68 @@ lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, con
     default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
   }
   LMLOSS_CUDA_LAUNCHED("add_label_rows_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+// The large entries' sort runs on buffers given in pairs (its scratch then holds no copies of them).
+size_t large_entries_sort_bytes(int64_t rows) {
+  const int64_t n = rows * kLargeEntries;
+  if (rows <= 0 || n > std::numeric_limits<int32_t>::max()) return 0;
+  cub::DoubleBuffer<uint32_t> cols(nullptr, nullptr);
+  cub::DoubleBuffer<int32_t> slots(nullptr, nullptr);
+  size_t bytes = 0;
+  return cub::DeviceRadixSort::SortPairs(nullptr, bytes, cols, slots, int(n)) == cudaSuccess ? bytes : 0;
+}
+
+LargeEntries large_entries_at(void* workspace, size_t bytes, int64_t rows) {
+  const size_t vec = label_vector_bytes(rows * kLargeEntries);
+  char* base = static_cast<char*>(workspace);
+  LargeEntries e;
+  e.cols = reinterpret_cast<uint32_t*>(base);
+  e.coefs = reinterpret_cast<float*>(base + vec);
+  e.slots = reinterpret_cast<int32_t*>(base + 2 * vec);
+  e.sorted_cols = reinterpret_cast<uint32_t*>(base + 3 * vec);
+  e.sorted_slots = reinterpret_cast<int32_t*>(base + 4 * vec);
+  e.sort_scratch = base + 5 * vec;
+  e.sort_scratch_bytes = bytes - 5 * vec;
+  return e;
+}
+
+lmloss_status launch_add_large_entries(const LargeEntries& entries, const LargeEntriesTerms& terms,
+                                       const WeightGradRows& out, cudaStream_t stream) {
+  if (terms.rows == 0 || terms.cols == 0) return LMLOSS_SUCCESS;
+  const int n = int(terms.rows * kLargeEntries);
+  size_t scratch = entries.sort_scratch_bytes;
+  // The sort leaves its result in either buffer of each pair (which one is known here, on the host).
+  cub::DoubleBuffer<uint32_t> cols(entries.cols, entries.sorted_cols);
+  cub::DoubleBuffer<int32_t> slots(entries.slots, entries.sorted_slots);
+  LMLOSS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(entries.sort_scratch, scratch, cols, slots, n, 0, 32, stream));
+  const unsigned blocks = unsigned(std::min<int64_t>(n, 8192));  // the slots of no column sort last
+  const size_t out_size = core::dtype_size(out.dtype);
+  const bool has_tail = out.split < terms.vocab;
+  auto rows_line_up = [&](const void* p, int64_t ld) {
+    return ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % (8 * out_size) == 0;
+  };
+  auto x_lines_up = [](const void* p, int64_t ld) { return ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vector = terms.cols % 8 == 0 && x_lines_up(terms.x, terms.x_ld) && x_lines_up(terms.xs, terms.xs_ld) &&
+                      rows_line_up(out.rows, out.ld) && (!has_tail || rows_line_up(out.tail, out.tail_ld));
+  auto launch = [&](auto* typed_out) {
+    using TOut = std::remove_pointer_t<decltype(typed_out)>;
+    auto* tail = static_cast<TOut*>(out.tail);
+    if (vector)
+      add_large_entries_kernel<TOut, 8><<<blocks, kLabelThreads, 0, stream>>>(
+          cols.Current(), slots.Current(), entries.coefs, n, terms, typed_out, out.ld, tail, out.tail_ld, out.split);
+    else
+      add_large_entries_kernel<TOut, 1><<<blocks, kLabelThreads, 0, stream>>>(
+          cols.Current(), slots.Current(), entries.coefs, n, terms, typed_out, out.ld, tail, out.tail_ld, out.split);
+  };
+  switch (out.dtype) {
+    case LMLOSS_F32: launch(static_cast<float*>(out.rows)); break;
+    case LMLOSS_BF16: launch(static_cast<__nv_bfloat16*>(out.rows)); break;
+    case LMLOSS_F16: launch(static_cast<__half*>(out.rows)); break;
+    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
+  }
+  LMLOSS_CUDA_LAUNCHED("add_large_entries_kernel");
   return LMLOSS_SUCCESS;
 }
 

@@ -110,7 +110,20 @@ struct LossRowsArgs {
   bool scales_only = false;
   float* row_coef = nullptr;         // (rows), with scales_only
   float* row_lse = nullptr;          // (rows), with scales_only
+  // dW's large entries (the exponential form with dW; null: none). dW's products take every
+  // stored value and every scaled row of X rounded into bf16, so a row whose gradient lies
+  // mostly on a few columns (a trained head's peaked rows) leaves ~2^-9 of those columns' terms
+  // in dW, ~1e-3 of an f32 dW. Each row lists its columns whose probability is about
+  // 1/kLargeEntryInverse or more (by their stored values; at most kLargeEntries of them, none
+  // where more pass), with dl/dz there from s recomputed by a dot product (the label's one-hot
+  // term left to label_grad), and launch_add_large_entries puts the exact terms in place of the
+  // rounded ones. Row r's slot l (kLargeEntries a row, every slot written): large_cols its
+  // column or kNoLargeEntry, large_coefs dl/dz, large_slots r * kLargeEntries + l.
+  uint32_t* large_cols = nullptr;
+  float* large_coefs = nullptr;
+  int32_t* large_slots = nullptr;
   // s at a teacher id whose stored value is too small to take its log: recomputed from the head.
+  // The large entries' s too (those of the exponential form take the whole head).
   const void* hidden = nullptr;      // (n_tokens, hidden_size), row stride hidden_ld
   int64_t hidden_ld = 0;
   const void* weight = nullptr;      // (vocab, hidden_size), row stride weight_ld
@@ -126,6 +139,12 @@ struct LossRowsArgs {
 // (at most e^60) and its scale (at least e^-40 times its gradient's factor) stay far from f32's and
 // bf16's limits.
 constexpr float kExpFormRange = 40.f;
+
+// dW's large entries (LossRowsArgs::large_cols): a row's columns of probability 1/16 or more, at
+// most 16 (its probabilities sum to 1), the row kernel's 16 warps one each.
+constexpr int kLargeEntries = 16;
+constexpr float kLargeEntryInverse = 16.f;
+constexpr uint32_t kNoLargeEntry = 0xffffffffu;
 
 // Rows with this many sparse entries (the label and k teacher ids) find their repeated ids in
 // their entries ordered by (id, entry), O(k log^2 k), rather than by searching them, O(k^2); up to
@@ -285,6 +304,38 @@ struct WeightGradRows {
 lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, const LabelRows& label,
                                     int64_t rows, const void* x, int64_t x_ld, int64_t cols,
                                     const WeightGradRows& out, cudaStream_t stream);
+
+// dW's large entries of a chunk (see LossRowsArgs::large_cols): the slots ordered by column
+// (stably: rows in order within a column), then one block per column present adds, for each of
+// its slots' rows r in order, coef x[r, :] - token_scale E[r, col] xs[r, :] (the exact term less
+// the one the dW product added: E the stored bf16 value, xs the row of X as the product took it)
+// to out's row of the column, rounding once. The workspace, for up to `rows` rows: the slots'
+// three vectors, the order's two (kLargeEntriesRowBytes a row), then the sort's scratch
+// (large_entries_sort_bytes; 0 where it cannot be had).
+struct LargeEntries {
+  uint32_t* cols = nullptr;
+  float* coefs = nullptr;
+  int32_t* slots = nullptr;
+  uint32_t* sorted_cols = nullptr;
+  int32_t* sorted_slots = nullptr;
+  void* sort_scratch = nullptr;
+  size_t sort_scratch_bytes = 0;
+};
+size_t large_entries_sort_bytes(int64_t rows);
+constexpr size_t kLargeEntriesRowBytes = 5 * sizeof(uint32_t) * kLargeEntries;  // + 5 x 256 of alignment
+LargeEntries large_entries_at(void* workspace, size_t bytes, int64_t rows);
+struct LargeEntriesTerms {
+  int64_t rows = 0, vocab = 0, cols = 0;
+  const void* x = nullptr;        // (rows, cols) bf16, row stride x_ld: the chunk's rows of X
+  int64_t x_ld = 0;
+  const void* xs = nullptr;       // (rows, cols) bf16, row stride xs_ld: as the dW product took them
+  int64_t xs_ld = 0;
+  const void* stored = nullptr;   // (rows, vocab) bf16, row stride stored_ld: E
+  int64_t stored_ld = 0;
+  const CallScalars* scalars = nullptr;  // token_scale: the dW product's alpha
+};
+lmloss_status launch_add_large_entries(const LargeEntries& entries, const LargeEntriesTerms& terms,
+                                       const WeightGradRows& out, cudaStream_t stream);
 
 // A 16-bit dW summed in f32 over its own bytes: the first `rows` rows of a (vocab, cols) bf16 or
 // f16 matrix of row stride ld (in its elements) hold f32 values at row stride ld instead, f32 row
