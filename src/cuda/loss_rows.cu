@@ -782,8 +782,9 @@ __global__ void __launch_bounds__(kLabelThreads)
         const int64_t slot = slots[q], r = slot / kLargeEntries;
         const float c = coefs[slot];
         const float product_coef = token_scale * __bfloat162float(stored[r * terms.stored_ld + col]);
-        const Pack<__nv_bfloat16, kWidth> xv = *reinterpret_cast<const Pack<__nv_bfloat16, kWidth>*>(x + r * terms.x_ld + j);
-        const Pack<__nv_bfloat16, kWidth> sv = *reinterpret_cast<const Pack<__nv_bfloat16, kWidth>*>(xs + r * terms.xs_ld + j);
+        using Row = Pack<__nv_bfloat16, kWidth>;
+        const Row xv = *reinterpret_cast<const Row*>(x + r * terms.x_ld + j);
+        const Row sv = *reinterpret_cast<const Row*>(xs + r * terms.xs_ld + j);
 #pragma unroll
         for (int e = 0; e < kWidth; ++e)
           sum[e] += fmaf(c, __bfloat162float(xv.v[e]), -product_coef * __bfloat162float(sv.v[e]));

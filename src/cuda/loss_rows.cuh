@@ -114,11 +114,13 @@ struct LossRowsArgs {
   // stored value and every scaled row of X rounded into bf16, so a row whose gradient lies
   // mostly on a few columns (a trained head's peaked rows) leaves ~2^-9 of those columns' terms
   // in dW, ~1e-3 of an f32 dW. Each row lists its columns whose probability is about
-  // 1/kLargeEntryInverse or more (by their stored values; at most kLargeEntries of them, none
-  // where more pass), with dl/dz there from s recomputed by a dot product (the label's one-hot
-  // term left to label_grad), and launch_add_large_entries puts the exact terms in place of the
-  // rounded ones. Row r's slot l (kLargeEntries a row, every slot written): large_cols its
-  // column or kNoLargeEntry, large_coefs dl/dz, large_slots r * kLargeEntries + l.
+  // 1/kLargeEntryInverse or more (by their stored values) and its label's and teacher ids'
+  // entries of |dl/dz| >= |p_coef| / kLargeEntryInverse (at the fix-ups), with dl/dz there from
+  // s recomputed by a dot product (the label's one-hot term left to label_grad); the
+  // kLargeEntries of the lowest columns where more are found, none where very many are. Then
+  // launch_add_large_entries puts the exact terms in place of the rounded ones. Row r's slot l
+  // (kLargeEntries a row, every slot written): large_cols its column or kNoLargeEntry,
+  // large_coefs dl/dz, large_slots r * kLargeEntries + l.
   uint32_t* large_cols = nullptr;
   float* large_coefs = nullptr;
   int32_t* large_slots = nullptr;
@@ -140,8 +142,8 @@ struct LossRowsArgs {
 // bf16's limits.
 constexpr float kExpFormRange = 40.f;
 
-// dW's large entries (LossRowsArgs::large_cols): a row's columns of probability 1/16 or more, at
-// most 16 (its probabilities sum to 1), the row kernel's 16 warps one each.
+// dW's large entries (LossRowsArgs::large_cols): a row has at most 16 columns of probability 1/16
+// or more (its probabilities sum to 1), and as few teacher entries of such weight.
 constexpr int kLargeEntries = 16;
 constexpr float kLargeEntryInverse = 16.f;
 constexpr uint32_t kNoLargeEntry = 0xffffffffu;
