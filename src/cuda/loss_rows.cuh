@@ -119,8 +119,8 @@ struct LossRowsArgs {
   // s recomputed by a dot product (the label's one-hot term left to label_grad); the
   // kLargeEntries of the lowest columns where more are found, none where very many are. Then
   // launch_add_large_entries puts the exact terms in place of the rounded ones. Row r's slot l
-  // (kLargeEntries a row, every slot written): large_cols its column or kNoLargeEntry,
-  // large_coefs dl/dz, large_slots r * kLargeEntries + l.
+  // (kLargeEntries a row, every slot written): large_cols its column or vocab (none: sorts after
+  // every column), large_coefs dl/dz, large_slots r * kLargeEntries + l.
   uint32_t* large_cols = nullptr;
   float* large_coefs = nullptr;
   int32_t* large_slots = nullptr;
@@ -146,7 +146,6 @@ constexpr float kExpFormRange = 40.f;
 // or more (its probabilities sum to 1), and as few teacher entries of such weight.
 constexpr int kLargeEntries = 16;
 constexpr float kLargeEntryInverse = 16.f;
-constexpr uint32_t kNoLargeEntry = 0xffffffffu;
 
 // Rows with this many sparse entries (the label and k teacher ids) find their repeated ids in
 // their entries ordered by (id, entry), O(k log^2 k), rather than by searching them, O(k^2); up to
