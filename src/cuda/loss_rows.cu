@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.hpp"
@@ -949,6 +951,38 @@ lmloss_status launch_rows_typed(const LossRowsArgs& args, cudaStream_t stream) {
   return LMLOSS_SUCCESS;
 }
 
+// The bits of keys up to `vocab` (a radix sort's end bit).
+int key_bits(int64_t vocab) {
+  int bits = 1;
+  while (bits < 32 && (uint64_t(1) << bits) <= uint64_t(vocab)) ++bits;
+  return bits;
+}
+
+// Whether dW's rows (and tail) and the bf16 rows read beside them (pointer and row stride, cols
+// wide) line up for 8-wide access.
+bool rows_take_vectors(const WeightGradRows& out, int64_t vocab, int64_t cols,
+                       std::initializer_list<std::pair<const void*, int64_t>> inputs) {
+  const size_t out_size = core::dtype_size(out.dtype);
+  auto lines_up = [](const void* p, int64_t ld, size_t size) {
+    return ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % (8 * size) == 0;
+  };
+  bool vector = cols % 8 == 0 && lines_up(out.rows, out.ld, out_size) &&
+                (out.split >= vocab || lines_up(out.tail, out.tail_ld, out_size));
+  for (const auto& [p, ld] : inputs) vector = vector && lines_up(p, ld, sizeof(__nv_bfloat16));
+  return vector;
+}
+
+// Calls launch with dW's rows typed as its dtype (f32, bf16 or f16).
+template <typename F>
+lmloss_status with_weight_grad_type(const WeightGradRows& out, F&& launch) {
+  switch (out.dtype) {
+    case LMLOSS_F32: launch(static_cast<float*>(out.rows)); return LMLOSS_SUCCESS;
+    case LMLOSS_BF16: launch(static_cast<__nv_bfloat16*>(out.rows)); return LMLOSS_SUCCESS;
+    case LMLOSS_F16: launch(static_cast<__half*>(out.rows)); return LMLOSS_SUCCESS;
+    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
+  }
+}
+
 }  // namespace
 
 lmloss_status launch_loss_rows(const LossRowsArgs& args, cudaStream_t stream) {
@@ -1092,11 +1126,9 @@ lmloss_status launch_label_order(const void* labels, lmloss_dtype labels_dtype, 
   const unsigned blocks = unsigned(std::min<int64_t>((n_tokens + 255) / 256, 1024));
   label_keys_kernel<<<blocks, 256, 0, stream>>>(labels, labels_dtype, n_tokens, vocab, o.keys_in, o.tokens_in);
   LMLOSS_CUDA_LAUNCHED("label_keys_kernel");
-  int end_bit = 1;
-  while (end_bit < 32 && (uint64_t(1) << end_bit) <= uint64_t(vocab)) ++end_bit;  // keys up to vocab
   size_t scratch = workspace_bytes - 4 * label_vector_bytes(n_tokens);  // no second query per call
   LMLOSS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(o.sort_scratch, scratch, o.keys_in, o.keys, o.tokens_in,
-                                                    o.tokens, int(n_tokens), 0, end_bit, stream));
+                                                    o.tokens, int(n_tokens), 0, key_bits(vocab), stream));
   return LMLOSS_SUCCESS;
 }
 
@@ -1107,14 +1139,8 @@ lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, con
   const LabelOrder o = label_order_at(workspace, n_tokens);
   const unsigned blocks = unsigned(std::min<int64_t>(n_tokens, 1 << 20));
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
-  const size_t out_size = core::dtype_size(out.dtype);
-  const bool has_tail = out.split < label.vocab;
-  auto rows_line_up = [&](const void* p, int64_t ld) {
-    return ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % (8 * out_size) == 0;
-  };
-  const bool vector = cols % 8 == 0 && x_ld % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                      rows_line_up(out.rows, out.ld) && (!has_tail || rows_line_up(out.tail, out.tail_ld));
-  auto launch = [&](auto* typed_out) {
+  const bool vector = rows_take_vectors(out, label.vocab, cols, {{x, x_ld}});
+  const lmloss_status status = with_weight_grad_type(out, [&](auto* typed_out) {
     using TOut = std::remove_pointer_t<decltype(typed_out)>;
     auto* tail = static_cast<TOut*>(out.tail);
     if (vector)
@@ -1123,13 +1149,8 @@ lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, con
     else
       add_label_rows_kernel<TOut, 1><<<blocks, kLabelThreads, 0, stream>>>(
           o.keys, o.tokens, n_tokens, label, rows, xb, x_ld, cols, typed_out, out.ld, tail, out.tail_ld, out.split);
-  };
-  switch (out.dtype) {
-    case LMLOSS_F32: launch(static_cast<float*>(out.rows)); break;
-    case LMLOSS_BF16: launch(static_cast<__nv_bfloat16*>(out.rows)); break;
-    case LMLOSS_F16: launch(static_cast<__half*>(out.rows)); break;
-    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
-  }
+  });
+  if (status != LMLOSS_SUCCESS) return status;
   LMLOSS_CUDA_LAUNCHED("add_label_rows_kernel");
   return LMLOSS_SUCCESS;
 }
@@ -1167,21 +1188,13 @@ lmloss_status launch_add_large_entries(const LargeEntries& entries, const LargeE
   // Columns up to vocab (none), so the sort takes only their bits (17 at V 128256: 3 passes, not 4).
   cub::DoubleBuffer<uint32_t> cols(entries.cols, entries.sorted_cols);
   cub::DoubleBuffer<int32_t> slots(entries.slots, entries.sorted_slots);
-  int end_bit = 1;
-  while (end_bit < 32 && (uint64_t(1) << end_bit) <= uint64_t(terms.vocab)) ++end_bit;
-  LMLOSS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(entries.sort_scratch, scratch, cols, slots, n, 0, end_bit, stream));
+  LMLOSS_CUDA_TRY(
+      cub::DeviceRadixSort::SortPairs(entries.sort_scratch, scratch, cols, slots, n, 0, key_bits(terms.vocab), stream));
   // The slots of no column sort last; most of them are (8192 blocks took 17 us a chunk at llama3-8b
   // on random inputs, doing nothing).
   const unsigned blocks = unsigned(std::min<int64_t>(n, 1024));
-  const size_t out_size = core::dtype_size(out.dtype);
-  const bool has_tail = out.split < terms.vocab;
-  auto rows_line_up = [&](const void* p, int64_t ld) {
-    return ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % (8 * out_size) == 0;
-  };
-  auto x_lines_up = [](const void* p, int64_t ld) { return ld % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool vector = terms.cols % 8 == 0 && x_lines_up(terms.x, terms.x_ld) && x_lines_up(terms.xs, terms.xs_ld) &&
-                      rows_line_up(out.rows, out.ld) && (!has_tail || rows_line_up(out.tail, out.tail_ld));
-  auto launch = [&](auto* typed_out) {
+  const bool vector = rows_take_vectors(out, terms.vocab, terms.cols, {{terms.x, terms.x_ld}, {terms.xs, terms.xs_ld}});
+  const lmloss_status status = with_weight_grad_type(out, [&](auto* typed_out) {
     using TOut = std::remove_pointer_t<decltype(typed_out)>;
     auto* tail = static_cast<TOut*>(out.tail);
     if (vector)
@@ -1190,13 +1203,8 @@ lmloss_status launch_add_large_entries(const LargeEntries& entries, const LargeE
     else
       add_large_entries_kernel<TOut, 1><<<blocks, kLabelThreads, 0, stream>>>(
           cols.Current(), slots.Current(), entries.coefs, n, terms, typed_out, out.ld, tail, out.tail_ld, out.split);
-  };
-  switch (out.dtype) {
-    case LMLOSS_F32: launch(static_cast<float*>(out.rows)); break;
-    case LMLOSS_BF16: launch(static_cast<__nv_bfloat16*>(out.rows)); break;
-    case LMLOSS_F16: launch(static_cast<__half*>(out.rows)); break;
-    default: return core::fail(LMLOSS_ERROR_UNSUPPORTED, "CUDA: unsupported output dtype");
-  }
+  });
+  if (status != LMLOSS_SUCCESS) return status;
   LMLOSS_CUDA_LAUNCHED("add_large_entries_kernel");
   return LMLOSS_SUCCESS;
 }
