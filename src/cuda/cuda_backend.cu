@@ -661,9 +661,10 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
       pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = {0, sizeof(float), 16};
       if (orders_labels) pc[kLabelOrder] = {order_bytes, 0, 256};
       // dW's large entries (LossRowsArgs::large_cols), where their sort's scratch can be had.
-      const int64_t large_rows = std::min(call.n_tokens, kProductDimLimit);
-      const size_t large_sort = call.grads.grad_weight.data ? large_entries_sort_bytes(large_rows) : 0;
-      if (large_sort > 0) pc[kLargeList] = {large_sort + 5 * 256, kLargeEntriesRowBytes, 256};
+      if (call.grads.grad_weight.data) {
+        const LargeEntriesSize large = large_entries_size(std::min(call.n_tokens, kProductDimLimit));
+        if (large.per_row > 0) pc[kLargeList] = {large.fixed, large.per_row, 256};
+      }
       // With dX and dW both wanted, a chunk's dX runs beside its dW (run_loss), so the staging
       // holds the f32 dX and the scaled X at once, and the side's product has scratch of its own
       // as large as the main one's (half each measured 0.3-0.8 ms slower at gemma2-2b, run 36).

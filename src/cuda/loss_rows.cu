@@ -180,11 +180,9 @@ __device__ __forceinline__ bool is_counted(const void* labels, lmloss_dtype labe
   return true;
 }
 
-// The label's id where its entry takes a fix-up (the rows kernel's label_entry), else -1.
-__device__ __forceinline__ int64_t fixup_label(const LossRowsArgs& a, int64_t t) {
-  if (!a.labels || a.weights.alpha == 0.f) return -1;
-  const int64_t label = load_id(a.labels, a.labels_dtype, t);
-  return label == a.ignore_index ? -1 : label;
+// The label's id where its entry takes a fix-up, else -1; `label` as loaded for the token.
+__device__ __forceinline__ int64_t fixup_label(const LossRowsArgs& a, int64_t label) {
+  return a.labels && a.weights.alpha != 0.f && label != a.ignore_index ? label : -1;
 }
 
 // Each row's entries ordered by (id, entry) into entry_keys: keys (id << 32 | entry) sorted in
@@ -197,7 +195,7 @@ __global__ void __launch_bounds__(kOrderThreads) entry_order_kernel(const LossRo
   const int64_t n_keys = entry_sort_keys(a), entries = a.top_k + 1;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const int64_t t = a.row0 + r;
-    const int64_t label_id = fixup_label(a, t);
+    const int64_t label_id = a.labels ? fixup_label(a, load_id(a.labels, a.labels_dtype, t)) : -1;
     for (int64_t e = threadIdx.x; e < n_keys; e += blockDim.x) {
       const int64_t id = e < entries ? entry_id(a, t, label_id, e) : -1;
       keys[e] = (id >= 0 && id < a.vocab ? uint64_t(id) : kNoEntryId) << 32 | uint64_t(e);
@@ -411,7 +409,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
       return (p_coef * expf(s - lse) + offset + correction) * scale.derivative(s);
     };
     // The label's id where its entry takes a fix-up (as the order kernel keys it), else -1.
-    const int64_t label_id = fixup_label(a, t);
+    const int64_t label_id = fixup_label(a, label);  // the row's label, loaded once above
     const bool label_entry = label_id >= 0;
     // The exponential form: rows kept as stored, the rest as the other forms but / token_scale;
     // either way the label's one-hot term goes to label_grad, not into the stored row.
@@ -482,7 +480,8 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
               found_corrections[l] = correction;
               found = true;
             }
-          if (!found && fabsf(p_coef * expf(s - lse) + correction) * kLargeEntryInverse >= fabsf(p_coef)) {
+          const float row_scale = fabsf(p_coef * scale.derivative(s));
+          if (!found && fabsf(sparse_value(s, correction)) * kLargeEntryInverse >= row_scale) {
             const int at = atomicAdd(&large_found, 1);
             if (at < kLargeFoundMax) {
               found_cols[at] = uint32_t(id);
@@ -1163,6 +1162,14 @@ size_t large_entries_sort_bytes(int64_t rows) {
   cub::DoubleBuffer<int32_t> slots(nullptr, nullptr);
   size_t bytes = 0;
   return cub::DeviceRadixSort::SortPairs(nullptr, bytes, cols, slots, int(n)) == cudaSuccess ? bytes : 0;
+}
+
+LargeEntriesSize large_entries_size(int64_t max_rows) {
+  const size_t sort = large_entries_sort_bytes(max_rows);
+  if (sort == 0) return {};
+  // Five vectors of kLargeEntries 4-byte values a row, each rounded up to 256 bytes (as
+  // label_vector_bytes rounds them), then the sort's scratch.
+  return {sort + 5 * 256, 5 * sizeof(uint32_t) * kLargeEntries};
 }
 
 LargeEntries large_entries_at(void* workspace, size_t bytes, int64_t rows) {

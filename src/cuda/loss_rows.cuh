@@ -311,8 +311,7 @@ lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, con
 // its slots' rows r in order, coef x[r, :] - token_scale E[r, col] xs[r, :] (the exact term less
 // the one the dW product added: E the stored bf16 value, xs the row of X as the product took it)
 // to out's row of the column, rounding once. The workspace, for up to `rows` rows: the slots'
-// three vectors, the order's two (kLargeEntriesRowBytes a row), then the sort's scratch
-// (large_entries_sort_bytes; 0 where it cannot be had).
+// three vectors and the order's two, then the sort's scratch (large_entries_size).
 struct LargeEntries {
   uint32_t* cols = nullptr;
   float* coefs = nullptr;
@@ -323,7 +322,11 @@ struct LargeEntries {
   size_t sort_scratch_bytes = 0;
 };
 size_t large_entries_sort_bytes(int64_t rows);
-constexpr size_t kLargeEntriesRowBytes = 5 * sizeof(uint32_t) * kLargeEntries;  // + 5 x 256 of alignment
+// The workspace for chunks of up to max_rows rows: fixed + per_row x rows (zeros: none to be had).
+struct LargeEntriesSize {
+  size_t fixed = 0, per_row = 0;
+};
+LargeEntriesSize large_entries_size(int64_t max_rows);
 LargeEntries large_entries_at(void* workspace, size_t bytes, int64_t rows);
 struct LargeEntriesTerms {
   int64_t rows = 0, vocab = 0, cols = 0;
