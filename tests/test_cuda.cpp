@@ -311,14 +311,15 @@ TEST_F(Cuda, ForwardOfManyTokensFromTheProductInChunksMatchesReference) {
 // exponential form's staging (an f32 dX row and a bf16 row of X at once: 6 bytes per hidden unit)
 // where that is more than 1 byte per logit (else up to the midpoint of 3 bytes per logit, where
 // the cuBLASLt path holds 4), the teacher's scratch (4 bytes an entry, 8 from 256 to 4096 entries,
-// which the rows take in (id, entry) order), dW's large entries (16 slots of 20 bytes a row, and
-// their sort's scratch: 1 MiB is ample for these shapes), and 64 bytes a row for the rest.
+// which the rows take in (id, entry) order), dW's large entries (16 slots of 24 bytes and a row
+// scale of 4 a token, and their sort's scratch: 1 MiB is ample for these shapes), and 64 bytes a
+// row for the rest.
 size_t product_path_workspace_bound(int64_t n_tokens, int64_t vocab, int64_t hidden, int64_t top_k, bool two_streams) {
   const size_t logits_row = size_t((vocab + 7) / 8 * 8);
   const size_t staging_row = std::max(logits_row, 6 * size_t(hidden));
   const size_t entry_bytes = top_k + 1 >= 256 && top_k + 1 <= 4096 ? 12 : 4;  // s, and the sorted key
   return (size_t(two_streams ? 65 : 33) << 20) +
-         size_t(n_tokens) * (2 * logits_row + staging_row + entry_bytes * size_t(top_k + 1) + 320 + 64);
+         size_t(n_tokens) * (2 * logits_row + staging_row + entry_bytes * size_t(top_k + 1) + 388 + 64);
 }
 
 // The fused forward+backward of the same heads: statistics from the product's epilogue, the

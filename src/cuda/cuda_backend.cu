@@ -660,11 +660,10 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
       p.exp_form = true;
       pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = {0, sizeof(float), 16};
       if (orders_labels) pc[kLabelOrder] = {order_bytes, 0, 256};
-      // dW's large entries (LossRowsArgs::large_cols), where their sort's scratch can be had.
-      if (call.grads.grad_weight.data) {
-        const LargeEntriesSize large = large_entries_size(std::min(call.n_tokens, kProductDimLimit));
-        if (large.per_row > 0) pc[kLargeList] = {large.fixed, large.per_row, 256};
-      }
+      // dW's large entries (LossRowsArgs::large_cols) of every token, sorted once after the last
+      // chunk (a sort a chunk took 38 us at llama3-8b, nine launches: run 62), where their sort's
+      // scratch can be had.
+      if (call.grads.grad_weight.data) pc[kLargeList] = {large_entries_bytes(call.n_tokens), 0, 256};
       // With dX and dW both wanted, a chunk's dX runs beside its dW (run_loss), so the staging
       // holds the f32 dX and the scaled X at once, and the side's product has scratch of its own
       // as large as the main one's (half each measured 0.3-0.8 ms slower at gemma2-2b, run 36).
@@ -681,6 +680,12 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     pc[kProductWs] = {row_stats_product_workspace(row_stats_args(call, row_limit)), 0, 256};
   }
   p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
+  if (p.exp_form && p.chunk_rows == 0 && pc[kLargeList].fixed > 0) {
+    // The large entries take 388 bytes a token: a long call in a small budget goes without them
+    // (its dW as the products round it) before it goes without the exponential form.
+    pc[kLargeList] = {};
+    p.chunk_rows = p.logits_rows = fit_rows(p.layout, context.workspace_budget, call.n_tokens, row_limit);
+  }
   if (p.exp_form && p.chunk_rows == 0) {
     // A budget too small for the exponential form's pieces (the label order takes 16 bytes a
     // token, the f32 dX 4 x hidden a row) may still hold the gradient pass's.
@@ -922,7 +927,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   auto* label_grad = static_cast<float*>(piece(kLabelGrad));
   void* label_order = piece(kLabelOrder);
   void* large_list = piece(kLargeList);
-  const LargeEntries large = large_list ? large_entries_at(large_list, pc[kLargeList].bytes(R), R) : LargeEntries{};
+  const LargeEntries large =
+      large_list ? large_entries_at(large_list, pc[kLargeList].bytes(R), call.n_tokens) : LargeEntries{};
   // The exponential form's dX in f32 and its scaled X (see plan_loss): after one another in the
   // same bytes, or side by side when dX runs beside dW.
   void* staging = partials;
@@ -967,7 +973,9 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       a.head_dtype = call.input_dtype;
       a.large_cols = large.cols;
       a.large_coefs = large.coefs;
+      a.large_stored = large.stored;
       a.large_slots = large.slots;
+      a.large_row_scale = large.row_scale;
     }
   }
   a.token_loss = loss_wanted ? token_loss : nullptr;
@@ -1197,20 +1205,6 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       if (label_rows.coef)
         LMLOSS_CHECK(launch_add_label_rows(label_order, call.n_tokens, label_rows, rows, x_chunk, x_ld, call.hidden,
                                            dw, r.stream));
-      if (large.cols) {  // the large entries' exact terms in place of the product's
-        LargeEntriesTerms terms;
-        terms.rows = rows;
-        terms.vocab = call.vocab;
-        terms.cols = call.hidden;
-        terms.x = x_chunk;
-        terms.x_ld = x_ld;
-        terms.xs = x_rows;
-        terms.xs_ld = s.lda;
-        terms.stored = grad;
-        terms.stored_ld = plan.grad_ld;
-        terms.scalars = scalars;
-        LMLOSS_CHECK(launch_add_large_entries(large, terms, dw, r.stream));
-      }
     }
     if (bias_grad)
       LMLOSS_CHECK(launch_column_sum(grad, plan.grad_ld, gtype, rows, call.vocab, row0 > 0, scalars,
@@ -1218,6 +1212,16 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     if (plan.dx_beside_dw) LMLOSS_CHECK(side.join());
   }
 
+  if (large.cols) {  // the large entries' exact terms in place of the products'
+    LargeEntriesTerms terms;
+    terms.tokens = call.n_tokens;
+    terms.vocab = call.vocab;
+    terms.cols = call.hidden;
+    terms.x = x;
+    terms.x_ld = x_ld;
+    terms.scalars = scalars;
+    LMLOSS_CHECK(launch_add_large_entries(large, terms, dw, r.stream));
+  }
   if (wide_dw && !kept_dw)
     LMLOSS_CHECK(round_weight_sum(dw.rows, g.grad_weight.dtype, dw.ld, dw.split, call.vocab, call.hidden, dw.tail,
                                   dw.tail_ld, nullptr, r.stream));

@@ -255,11 +255,13 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     const bool exp_form = kExpFormTypes && a.exp_shift != nullptr;
     const float shift = exp_form ? a.exp_shift[r] : 0.f;
     const bool finds_large = exp_form && a.large_cols != nullptr;
-    // Row r's large-entry slots: slot l gets column col and dl/dz coef (a warp's lane 0 writes it).
-    auto write_large_slot = [&](int l, uint32_t col, float coef) {
-      const int64_t slot = r * kLargeEntries + l;
+    // Token t's large-entry slots: slot l gets column col, dl/dz coef and the stored value there (a
+    // warp's lane 0 writes it).
+    auto write_large_slot = [&](int l, uint32_t col, float coef, float stored) {
+      const int64_t slot = t * kLargeEntries + l;
       a.large_cols[slot] = col;
       a.large_coefs[slot] = coef;
+      a.large_stored[slot] = stored;
       a.large_slots[slot] = int32_t(slot);
     };
     auto reference = [&](float tile_max) { return fmaxf(shift, tile_max - kExpFormMargin); };
@@ -296,7 +298,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
         *a.error_flag = 1;
       }
       if (wants_grad && !a.scales_only) write_row(z, dz, V, [](int64_t, float) { return 0.f; });
-      if (finds_large && threadIdx.x < kLargeEntries) write_large_slot(threadIdx.x, uint32_t(V), 0.f);
+      if (finds_large && threadIdx.x < kLargeEntries) write_large_slot(threadIdx.x, uint32_t(V), 0.f, 0.f);
       __syncthreads();
       continue;
     }
@@ -305,12 +307,20 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
     // the saved value.
     float lse;
     float sum_s = 0.f;
+    // dW's large entries: the tiles of this thread's that may hold one, a bit each (the k-th of its
+    // tiles, i = threadIdx.x + k blockDim.x), for the search below. A tile of max s >= lse -
+    // ln kLargeEntryInverse passes the same bar set by the lse of this thread's tiles so far, which
+    // is at most the row's (1% slack for rounding): few tiles do, but every tile that may.
+    uint64_t maybe_large = 0;
     if (stats_from_product(a.work)) {
       MaxSum acc{-INFINITY, 0.f};
-      for (int64_t i = threadIdx.x; i < a.partial_tiles; i += blockDim.x) {
+      int k = 0;
+      for (int64_t i = threadIdx.x; i < a.partial_tiles; i += blockDim.x, ++k) {
         const float4 p = partial[i];
         acc = merge(acc, MaxSum{p.x, p.y});
         sum_s += p.z;
+        if (finds_large && expf(p.x - acc.max) * (1.01f * kLargeEntryInverse) >= acc.sum)
+          maybe_large |= k < 64 ? uint64_t(1) << k : 0;
       }
       lse = block_lse(acc, maxsum_scratch);
       if (weights.label_smoothing != 0.f) sum_s = block_reduce(sum_s, Sum{}, 0.f, sum_scratch);
@@ -379,12 +389,18 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
       const float bar = lse - logf(kLargeEntryInverse);
       if (threadIdx.x == 0) large_tile_count = large_found = 0;
       __syncthreads();
-      if (g != 0.f)
-        for (int64_t i = threadIdx.x; i < a.partial_tiles; i += blockDim.x)
-          if (partial[i].x >= bar) {
-            const int at = atomicAdd(&large_tile_count, 1);
-            if (at < kLargeTilesMax) large_tiles[at] = int(i);
-          }
+      auto consider_tile = [&](int64_t i) {
+        if (partial[i].x >= bar) {
+          const int at = atomicAdd(&large_tile_count, 1);
+          if (at < kLargeTilesMax) large_tiles[at] = int(i);
+        }
+      };
+      if (g != 0.f) {
+        for (uint64_t bits = maybe_large; bits != 0; bits &= bits - 1)
+          consider_tile(threadIdx.x + int64_t(__ffsll(int64_t(bits)) - 1) * blockDim.x);
+        // A thread's tiles past its 64th have no bits (over 1M columns at 128 threads): all are read.
+        for (int64_t i = threadIdx.x + 64 * int64_t(blockDim.x); i < a.partial_tiles; i += blockDim.x) consider_tile(i);
+      }
       __syncthreads();
       const int tiles = large_tile_count <= kLargeTilesMax ? large_tile_count : 0;
       for (int64_t i = threadIdx.x; i < tiles * kRowStatsTileColumns; i += blockDim.x) {
@@ -428,6 +444,7 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
       const float label_grad = label_entry ? weights.label_correction(g) * scale.derivative(0.f) : 0.f;
       if (threadIdx.x == 0) {
         a.row_scale[r] = row_scale;
+        if (finds_large) a.large_row_scale[t] = row_scale;
         a.label_grad[r] = label_grad;
         if (a.scales_only) {
           a.row_coef[r] = row_coef;
@@ -538,15 +555,16 @@ __global__ void __launch_bounds__(kRowThreads) loss_rows_kernel(const LossRowsAr
       const int large_taken = min(found, kLargeEntries);
       for (int l = threadIdx.x / 32; l < kLargeEntries; l += blockDim.x / 32) {
         uint32_t col = uint32_t(V);
-        float coef = 0.f;
+        float coef = 0.f, stored = 0.f;
         if (l < large_taken) {
           col = large_cols[l];
           const auto* x = static_cast<const __nv_bfloat16*>(a.hidden) + t * a.hidden_ld;
           const auto* w = static_cast<const __nv_bfloat16*>(a.weight) + int64_t(col) * a.weight_ld;
           const float s = warp_dot(x, w, a.hidden_size) * scale.inv_temperature;
           coef = sparse_value(s, large_corrections[l]);
+          stored = to_float(dz[col]);  // the fix-ups' writes are the block's own, before the barrier above
         }
-        if (threadIdx.x % 32 == 0) write_large_slot(l, col, coef);
+        if (threadIdx.x % 32 == 0) write_large_slot(l, col, coef, stored);
       }
       __syncthreads();  // the shared columns are written again for the next row
     }
@@ -760,35 +778,39 @@ __global__ void __launch_bounds__(kLabelThreads)
 }
 
 // One block per position of the large entries' order (see launch_add_large_entries): the first
-// slot of a column sums its slots' terms (adjacent in the order, rows in order) and adds them to
+// slot of a column sums its slots' terms (adjacent in the order, tokens in order) and adds them to
 // out's row of the column, rounding once; kWidth columns of X per thread at a time.
 template <typename TOut, int kWidth>
 __global__ void __launch_bounds__(kLabelThreads)
-    add_large_entries_kernel(const uint32_t* cols, const int32_t* slots, const float* coefs, int64_t n,
+    add_large_entries_kernel(const uint32_t* cols, const int32_t* slots, const LargeEntries entries, int64_t n,
                              const LargeEntriesTerms terms, TOut* __restrict__ out, int64_t out_ld,
                              TOut* __restrict__ tail, int64_t tail_ld, int64_t split) {
   const auto* x = static_cast<const __nv_bfloat16*>(terms.x);
-  const auto* xs = static_cast<const __nv_bfloat16*>(terms.xs);
-  const auto* stored = static_cast<const __nv_bfloat16*>(terms.stored);
   const float token_scale = terms.scalars->token_scale;
   for (int64_t p = blockIdx.x; p < n; p += gridDim.x) {
     const uint32_t col = cols[p];
-    if (col >= uint64_t(terms.vocab) || (p > 0 && cols[p - 1] == col)) continue;
+    // The slots of no column sort after every column: most slots are such (1024 blocks walking
+    // them one load after another took 19.6 us a chunk at llama3-8b, with nothing to add).
+    if (col >= uint64_t(terms.vocab)) break;
+    if (p > 0 && cols[p - 1] == col) continue;
     int64_t last = p;
     while (last + 1 < n && cols[last + 1] == col) ++last;
     TOut* o = col < split ? out + int64_t(col) * out_ld : tail + (int64_t(col) - split) * tail_ld;
     for (int64_t j = int64_t(threadIdx.x) * kWidth; j < terms.cols; j += int64_t(blockDim.x) * kWidth) {
       float sum[kWidth] = {};
       for (int64_t q = p; q <= last; ++q) {
-        const int64_t slot = slots[q], r = slot / kLargeEntries;
-        const float c = coefs[slot];
-        const float product_coef = token_scale * __bfloat162float(stored[r * terms.stored_ld + col]);
+        const int64_t slot = slots[q], t = slot / kLargeEntries;
+        const float c = entries.coefs[slot];
+        const float product_coef = token_scale * entries.stored[slot];
+        const float row_scale = entries.row_scale[t];
         using Row = Pack<__nv_bfloat16, kWidth>;
-        const Row xv = *reinterpret_cast<const Row*>(x + r * terms.x_ld + j);
-        const Row sv = *reinterpret_cast<const Row*>(xs + r * terms.xs_ld + j);
+        const Row xv = *reinterpret_cast<const Row*>(x + t * terms.x_ld + j);
 #pragma unroll
-        for (int e = 0; e < kWidth; ++e)
-          sum[e] += fmaf(c, __bfloat162float(xv.v[e]), -product_coef * __bfloat162float(sv.v[e]));
+        for (int e = 0; e < kWidth; ++e) {
+          const float xe = __bfloat162float(xv.v[e]);
+          const float staged = __bfloat162float(from_float<__nv_bfloat16>(xe * row_scale));  // as scale_rows_kernel
+          sum[e] += fmaf(c, xe, -product_coef * staged);
+        }
       }
       Pack<TOut, kWidth>* at = reinterpret_cast<Pack<TOut, kWidth>*>(o + j);
       Pack<TOut, kWidth> ov = *at;
@@ -1154,42 +1176,38 @@ lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, con
   return LMLOSS_SUCCESS;
 }
 
-// The large entries' sort runs on buffers given in pairs (its scratch then holds no copies of them).
-size_t large_entries_sort_bytes(int64_t rows) {
-  const int64_t n = rows * kLargeEntries;
-  if (rows <= 0 || n > std::numeric_limits<int32_t>::max()) return 0;
+size_t large_entries_bytes(int64_t tokens) {
+  const int64_t slots = tokens * kLargeEntries;
+  if (tokens <= 0 || slots > std::numeric_limits<int32_t>::max()) return 0;
+  // The sort runs on buffers given in pairs (its scratch then holds no copies of them).
   cub::DoubleBuffer<uint32_t> cols(nullptr, nullptr);
-  cub::DoubleBuffer<int32_t> slots(nullptr, nullptr);
-  size_t bytes = 0;
-  return cub::DeviceRadixSort::SortPairs(nullptr, bytes, cols, slots, int(n)) == cudaSuccess ? bytes : 0;
+  cub::DoubleBuffer<int32_t> order(nullptr, nullptr);
+  size_t sort = 0;
+  if (cub::DeviceRadixSort::SortPairs(nullptr, sort, cols, order, int(slots)) != cudaSuccess) return 0;
+  return 6 * label_vector_bytes(slots) + label_vector_bytes(tokens) + sort;
 }
 
-LargeEntriesSize large_entries_size(int64_t max_rows) {
-  const size_t sort = large_entries_sort_bytes(max_rows);
-  if (sort == 0) return {};
-  // Five vectors of kLargeEntries 4-byte values a row, each rounded up to 256 bytes (as
-  // label_vector_bytes rounds them), then the sort's scratch.
-  return {sort + 5 * 256, 5 * sizeof(uint32_t) * kLargeEntries};
-}
-
-LargeEntries large_entries_at(void* workspace, size_t bytes, int64_t rows) {
-  const size_t vec = label_vector_bytes(rows * kLargeEntries);
+LargeEntries large_entries_at(void* workspace, size_t bytes, int64_t tokens) {
+  const size_t vec = label_vector_bytes(tokens * kLargeEntries);
   char* base = static_cast<char*>(workspace);
   LargeEntries e;
   e.cols = reinterpret_cast<uint32_t*>(base);
   e.coefs = reinterpret_cast<float*>(base + vec);
-  e.slots = reinterpret_cast<int32_t*>(base + 2 * vec);
-  e.sorted_cols = reinterpret_cast<uint32_t*>(base + 3 * vec);
-  e.sorted_slots = reinterpret_cast<int32_t*>(base + 4 * vec);
-  e.sort_scratch = base + 5 * vec;
-  e.sort_scratch_bytes = bytes - 5 * vec;
+  e.stored = reinterpret_cast<float*>(base + 2 * vec);
+  e.slots = reinterpret_cast<int32_t*>(base + 3 * vec);
+  e.sorted_cols = reinterpret_cast<uint32_t*>(base + 4 * vec);
+  e.sorted_slots = reinterpret_cast<int32_t*>(base + 5 * vec);
+  e.row_scale = reinterpret_cast<float*>(base + 6 * vec);
+  const size_t taken = 6 * vec + label_vector_bytes(tokens);
+  e.sort_scratch = base + taken;
+  e.sort_scratch_bytes = bytes - taken;
   return e;
 }
 
 lmloss_status launch_add_large_entries(const LargeEntries& entries, const LargeEntriesTerms& terms,
                                        const WeightGradRows& out, cudaStream_t stream) {
-  if (terms.rows == 0 || terms.cols == 0) return LMLOSS_SUCCESS;
-  const int n = int(terms.rows * kLargeEntries);
+  if (terms.tokens == 0 || terms.cols == 0) return LMLOSS_SUCCESS;
+  const int n = int(terms.tokens * kLargeEntries);
   size_t scratch = entries.sort_scratch_bytes;
   // The sort leaves its result in either buffer of each pair (which one is known here, on the host).
   // Columns up to vocab (none), so the sort takes only their bits (17 at V 128256: 3 passes, not 4).
@@ -1197,19 +1215,17 @@ lmloss_status launch_add_large_entries(const LargeEntries& entries, const LargeE
   cub::DoubleBuffer<int32_t> slots(entries.slots, entries.sorted_slots);
   LMLOSS_CUDA_TRY(
       cub::DeviceRadixSort::SortPairs(entries.sort_scratch, scratch, cols, slots, n, 0, key_bits(terms.vocab), stream));
-  // The slots of no column sort last; most of them are (8192 blocks took 17 us a chunk at llama3-8b
-  // on random inputs, doing nothing).
   const unsigned blocks = unsigned(std::min<int64_t>(n, 1024));
-  const bool vector = rows_take_vectors(out, terms.vocab, terms.cols, {{terms.x, terms.x_ld}, {terms.xs, terms.xs_ld}});
+  const bool vector = rows_take_vectors(out, terms.vocab, terms.cols, {{terms.x, terms.x_ld}});
   const lmloss_status status = with_weight_grad_type(out, [&](auto* typed_out) {
     using TOut = std::remove_pointer_t<decltype(typed_out)>;
     auto* tail = static_cast<TOut*>(out.tail);
     if (vector)
       add_large_entries_kernel<TOut, 8><<<blocks, kLabelThreads, 0, stream>>>(
-          cols.Current(), slots.Current(), entries.coefs, n, terms, typed_out, out.ld, tail, out.tail_ld, out.split);
+          cols.Current(), slots.Current(), entries, n, terms, typed_out, out.ld, tail, out.tail_ld, out.split);
     else
       add_large_entries_kernel<TOut, 1><<<blocks, kLabelThreads, 0, stream>>>(
-          cols.Current(), slots.Current(), entries.coefs, n, terms, typed_out, out.ld, tail, out.tail_ld, out.split);
+          cols.Current(), slots.Current(), entries, n, terms, typed_out, out.ld, tail, out.tail_ld, out.split);
   });
   if (status != LMLOSS_SUCCESS) return status;
   LMLOSS_CUDA_LAUNCHED("add_large_entries_kernel");

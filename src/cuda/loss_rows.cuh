@@ -117,13 +117,17 @@ struct LossRowsArgs {
   // 1/kLargeEntryInverse or more (by their stored values) and its label's and teacher ids'
   // entries of |dl/dz| >= |p_coef| / kLargeEntryInverse (at the fix-ups), with dl/dz there from
   // s recomputed by a dot product (the label's one-hot term left to label_grad); the
-  // kLargeEntries of the lowest columns where more are found, none where very many are. Then
-  // launch_add_large_entries puts the exact terms in place of the rounded ones. Row r's slot l
-  // (kLargeEntries a row, every slot written): large_cols its column or vocab (none: sorts after
-  // every column), large_coefs dl/dz, large_slots r * kLargeEntries + l.
+  // kLargeEntries of the lowest columns where more are found, none where very many are. After
+  // the call's last chunk, launch_add_large_entries puts the exact terms in place of the rounded
+  // ones. Token t's slot l (kLargeEntries a token, every slot of a row written): large_cols its
+  // column or vocab (none: sorts after every column), large_coefs dl/dz, large_stored the stored
+  // value there as the dW product takes it, large_slots t * kLargeEntries + l; and
+  // large_row_scale[t] the row scale its row of X is staged with (row_scale[r]).
   uint32_t* large_cols = nullptr;
   float* large_coefs = nullptr;
+  float* large_stored = nullptr;
   int32_t* large_slots = nullptr;
+  float* large_row_scale = nullptr;  // (n_tokens)
   // s at a teacher id whose stored value is too small to take its log: recomputed from the head.
   // The large entries' s too (those of the exponential form take the whole head).
   const void* hidden = nullptr;      // (n_tokens, hidden_size), row stride hidden_ld
@@ -306,36 +310,30 @@ lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, con
                                     int64_t rows, const void* x, int64_t x_ld, int64_t cols,
                                     const WeightGradRows& out, cudaStream_t stream);
 
-// dW's large entries of a chunk (see LossRowsArgs::large_cols): the slots ordered by column
-// (stably: rows in order within a column), then one block per column present adds, for each of
-// its slots' rows r in order, coef x[r, :] - token_scale E[r, col] xs[r, :] (the exact term less
-// the one the dW product added: E the stored bf16 value, xs the row of X as the product took it)
-// to out's row of the column, rounding once. The workspace, for up to `rows` rows: the slots'
-// three vectors and the order's two, then the sort's scratch (large_entries_size).
+// dW's large entries of a call (see LossRowsArgs::large_cols), after its last chunk's dW product:
+// the slots ordered by column (stably: tokens in order within a column), then one block per
+// column present adds, for each of its slots' tokens t in order, coef x[t, :] - token_scale E
+// xs[t, :] (the exact term less the one the dW product added: E the stored bf16 value, xs the row
+// of X as the product took it, x[t, :] times its row scale rounded into bf16) to out's row of the
+// column, rounding once. The workspace, for up to `tokens` tokens: the slots' four vectors and the
+// order's two, the row scales, then the sort's scratch (large_entries_bytes; 0: none to be had).
 struct LargeEntries {
   uint32_t* cols = nullptr;
   float* coefs = nullptr;
+  float* stored = nullptr;
   int32_t* slots = nullptr;
   uint32_t* sorted_cols = nullptr;
   int32_t* sorted_slots = nullptr;
+  float* row_scale = nullptr;
   void* sort_scratch = nullptr;
   size_t sort_scratch_bytes = 0;
 };
-size_t large_entries_sort_bytes(int64_t rows);
-// The workspace for chunks of up to max_rows rows: fixed + per_row x rows (zeros: none to be had).
-struct LargeEntriesSize {
-  size_t fixed = 0, per_row = 0;
-};
-LargeEntriesSize large_entries_size(int64_t max_rows);
-LargeEntries large_entries_at(void* workspace, size_t bytes, int64_t rows);
+size_t large_entries_bytes(int64_t tokens);
+LargeEntries large_entries_at(void* workspace, size_t bytes, int64_t tokens);
 struct LargeEntriesTerms {
-  int64_t rows = 0, vocab = 0, cols = 0;
-  const void* x = nullptr;        // (rows, cols) bf16, row stride x_ld: the chunk's rows of X
+  int64_t tokens = 0, vocab = 0, cols = 0;
+  const void* x = nullptr;        // (tokens, cols) bf16, row stride x_ld: the call's X
   int64_t x_ld = 0;
-  const void* xs = nullptr;       // (rows, cols) bf16, row stride xs_ld: as the dW product took them
-  int64_t xs_ld = 0;
-  const void* stored = nullptr;   // (rows, vocab) bf16, row stride stored_ld: E
-  int64_t stored_ld = 0;
   const CallScalars* scalars = nullptr;  // token_scale: the dW product's alpha
 };
 lmloss_status launch_add_large_entries(const LargeEntries& entries, const LargeEntriesTerms& terms,
