@@ -661,7 +661,7 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
       pc[kExpShift] = pc[kRowScale] = pc[kLabelGrad] = {0, sizeof(float), 16};
       if (orders_labels) pc[kLabelOrder] = {order_bytes, 0, 256};
       // dW's large entries (LossRowsArgs::large_cols) of every token, sorted once after the last
-      // chunk (a sort a chunk took 38 us at llama3-8b, nine launches: run 62), where their sort's
+      // chunk (a sort a chunk took 38 us at llama3-8b, five launches: run 62), where their sort's
       // scratch can be had.
       if (call.grads.grad_weight.data) pc[kLargeList] = {large_entries_bytes(call.n_tokens), 0, 256};
       // With dX and dW both wanted, a chunk's dX runs beside its dW (run_loss), so the staging
