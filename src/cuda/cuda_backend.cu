@@ -943,6 +943,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   if (label_order)
     LMLOSS_CHECK(launch_label_order(call.targets.labels.data, call.targets.labels.dtype, call.n_tokens, call.vocab,
                                     label_order, pc[kLabelOrder].fixed, r.stream));
+  if (large.cols) LMLOSS_CHECK(launch_clear_large_entries(large, call.n_tokens, r.stream));
 
   LossRowsArgs a = row_args_common(call);
   a.work = plan.row_stats_product             ? (grads_computed(call) ? RowWork::stats_and_grad_from_partials

@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kRowThreads, 2) loss_rows_kernel(const LossRow
     const float shift = exp_form ? a.exp_shift[r] : 0.f;
     const bool finds_large = exp_form && a.large_cols != nullptr;
     // Token t's large-entry slots: slot l gets column col, dl/dz coef and the stored value there (a
-    // warp's lane 0 writes it).
+    // warp's lane 0 writes it); the slots of no column keep what launch_clear_large_entries set.
     auto write_large_slot = [&](int l, uint32_t col, float coef, float stored) {
       const int64_t slot = t * kLargeEntries + l;
       a.large_cols[slot] = col;
@@ -284,7 +284,10 @@ __global__ void __launch_bounds__(kRowThreads, 2) loss_rows_kernel(const LossRow
     const int64_t label = has_label ? load_id(a.labels, a.labels_dtype, t) : -1;
     const bool label_used = has_label && label != a.ignore_index;
     const bool counted = is_counted(a.labels, a.labels_dtype, a.ignore_index, a.mask, t);
-    if (threadIdx.x == 0) row_bad = label_used && (label < 0 || label >= V);
+    if (threadIdx.x == 0) {
+      row_bad = label_used && (label < 0 || label >= V);
+      large_tile_count = large_found = 0;  // the last row read them before its last barrier
+    }
     __syncthreads();
     for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
       const int64_t id = load_id(a.teacher_ids, a.teacher_ids_dtype, t * a.teacher_ids_ld + k);
@@ -301,7 +304,6 @@ __global__ void __launch_bounds__(kRowThreads, 2) loss_rows_kernel(const LossRow
         *a.error_flag = 1;
       }
       if (wants_grad && !a.scales_only) write_row(z, dz, V, [](int64_t, float) { return 0.f; });
-      if (finds_large && threadIdx.x < kLargeEntries) write_large_slot(threadIdx.x, uint32_t(V), 0.f, 0.f);
       __syncthreads();
       continue;
     }
@@ -387,11 +389,8 @@ __global__ void __launch_bounds__(kRowThreads, 2) loss_rows_kernel(const LossRow
     // fix-ups) the label's and teacher ids' of |dl/dz| >= |p_coef| / kLargeEntryInverse; none
     // where more tiles or columns pass than there is room for (then the row is not peaked).
     // Which columns are taken moves only how much rounding dW keeps, not what it sums to.
-    int dense_found = 0;
     if (finds_large) {
       const float bar = lse - logf(kLargeEntryInverse);
-      if (threadIdx.x == 0) large_tile_count = large_found = 0;
-      __syncthreads();
       auto consider_tile = [&](int64_t i) {
         if (partial[i].x >= bar) {
           const int at = atomicAdd(&large_tile_count, 1);
@@ -418,10 +417,10 @@ __global__ void __launch_bounds__(kRowThreads, 2) loss_rows_kernel(const LossRow
           }
         }
       }
-      __syncthreads();
-      dense_found = large_found <= kLargeFoundMax ? large_found : 0;
     }
     __syncthreads();  // every sparse read above happens before the in-place writes below
+    // The dense columns found (the fix-ups add to large_found only after the next barrier).
+    const int dense_found = finds_large && large_found <= kLargeFoundMax ? large_found : 0;
     // The value written at the label and the teacher ids, given s there and the sum of the
     // corrections that land on it.
     auto sparse_value = [&](float s, float correction) {
@@ -555,21 +554,18 @@ __global__ void __launch_bounds__(kRowThreads, 2) loss_rows_kernel(const LossRow
         }
       }
       __syncthreads();
+      // The slots past these keep the column of none they were cleared to. The next row writes
+      // the shared columns only after its first barrier: no barrier here.
       const int large_taken = min(found, kLargeEntries);
-      for (int l = threadIdx.x / 32; l < kLargeEntries; l += blockDim.x / 32) {
-        uint32_t col = uint32_t(V);
-        float coef = 0.f, stored = 0.f;
-        if (l < large_taken) {
-          col = large_cols[l];
-          const auto* x = static_cast<const __nv_bfloat16*>(a.hidden) + t * a.hidden_ld;
-          const auto* w = static_cast<const __nv_bfloat16*>(a.weight) + int64_t(col) * a.weight_ld;
-          const float s = warp_dot(x, w, a.hidden_size) * scale.inv_temperature;
-          coef = sparse_value(s, large_corrections[l]);
-          stored = to_float(dz[col]);  // the fix-ups' writes are the block's own, before the barrier above
-        }
+      for (int l = threadIdx.x / 32; l < large_taken; l += blockDim.x / 32) {
+        const uint32_t col = large_cols[l];
+        const auto* x = static_cast<const __nv_bfloat16*>(a.hidden) + t * a.hidden_ld;
+        const auto* w = static_cast<const __nv_bfloat16*>(a.weight) + int64_t(col) * a.weight_ld;
+        const float s = warp_dot(x, w, a.hidden_size) * scale.inv_temperature;
+        const float coef = sparse_value(s, large_corrections[l]);
+        const float stored = to_float(dz[col]);  // the fix-ups' writes are the block's own, before the barrier above
         if (threadIdx.x % 32 == 0) write_large_slot(l, col, coef, stored);
       }
-      __syncthreads();  // the shared columns are written again for the next row
     }
   }
 }
@@ -1207,13 +1203,19 @@ LargeEntries large_entries_at(void* workspace, size_t bytes, int64_t tokens) {
   return e;
 }
 
+lmloss_status launch_clear_large_entries(const LargeEntries& entries, int64_t tokens, cudaStream_t stream) {
+  LMLOSS_CUDA_TRY(cudaMemsetAsync(entries.cols, 0xff, sizeof(uint32_t) * size_t(tokens * kLargeEntries), stream));
+  return LMLOSS_SUCCESS;
+}
+
 lmloss_status launch_add_large_entries(const LargeEntries& entries, const LargeEntriesTerms& terms,
                                        const WeightGradRows& out, cudaStream_t stream) {
   if (terms.tokens == 0 || terms.cols == 0) return LMLOSS_SUCCESS;
   const int n = int(terms.tokens * kLargeEntries);
   size_t scratch = entries.sort_scratch_bytes;
   // The sort leaves its result in either buffer of each pair (which one is known here, on the host).
-  // Columns up to vocab (none), so the sort takes only their bits (17 at V 128256: 3 passes, not 4).
+  // Columns below vocab, so the sort takes only the bits of vocab (17 at V 128256: 3 passes, not 4),
+  // in which the column of none (all bits) still sorts last.
   cub::DoubleBuffer<uint32_t> cols(entries.cols, entries.sorted_cols);
   cub::DoubleBuffer<int32_t> slots(entries.slots, entries.sorted_slots);
   LMLOSS_CUDA_TRY(

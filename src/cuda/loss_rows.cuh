@@ -119,10 +119,11 @@ struct LossRowsArgs {
   // s recomputed by a dot product (the label's one-hot term left to label_grad); the
   // kLargeEntries of the lowest columns where more are found, none where very many are. After
   // the call's last chunk, launch_add_large_entries puts the exact terms in place of the rounded
-  // ones. Token t's slot l (kLargeEntries a token, every slot of a row written): large_cols its
-  // column or vocab (none: sorts after every column), large_coefs dl/dz, large_stored the stored
-  // value there as the dW product takes it, large_slots t * kLargeEntries + l; and
-  // large_row_scale[t] the row scale its row of X is staged with (row_scale[r]).
+  // ones. Token t's slot l (kLargeEntries a token; those of a large entry written, the rest left
+  // as launch_clear_large_entries set them): large_cols its column, large_coefs dl/dz,
+  // large_stored the stored value there as the dW product takes it, large_slots
+  // t * kLargeEntries + l; and large_row_scale[t] the row scale its row of X is staged with
+  // (row_scale[r]).
   uint32_t* large_cols = nullptr;
   float* large_coefs = nullptr;
   float* large_stored = nullptr;
@@ -330,6 +331,9 @@ struct LargeEntries {
 };
 size_t large_entries_bytes(int64_t tokens);
 LargeEntries large_entries_at(void* workspace, size_t bytes, int64_t tokens);
+// Every slot's column set to none (all bits: after every column, also in the sort's bits), before
+// a call's first chunk: the rows write only their slots of a large entry.
+lmloss_status launch_clear_large_entries(const LargeEntries& entries, int64_t tokens, cudaStream_t stream);
 struct LargeEntriesTerms {
   int64_t tokens = 0, vocab = 0, cols = 0;
   const void* x = nullptr;        // (tokens, cols) bf16, row stride x_ld: the call's X
