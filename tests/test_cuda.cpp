@@ -1386,6 +1386,26 @@ TEST_F(Cuda, FusedStepWithoutRoomForTheLabelOrderTakesTheGradientPass) {
   EXPECT_LE(ctx.peak_workspace(), budget);
 }
 
+// dW's large entries take 388 bytes a token (16 slots and a row scale, with their sort): a budget
+// that holds the exponential form's pieces (~1 KB a chunk row here, 20 bytes a token) but not
+// them runs without them, within it; a larger one holds them too. Both match the reference and
+// rerun bitwise.
+TEST_F(Cuda, FusedStepWithoutRoomForTheLargeEntriesRunsWithinTheBudget) {
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
+  Generator gen(4024);
+  const int64_t n_tokens = 65536;
+  const reference::Problem p = gen.problem({.n_tokens = n_tokens, .vocab = 257, .hidden = 64});
+  for (const size_t bytes_a_token : {200, 800}) {
+    SCOPED_TRACE(std::to_string(bytes_a_token) + " bytes a token");
+    LossCase c(p, lmloss_loss_options_default(), setup(LMLOSS_BF16, LMLOSS_F32));
+    const size_t budget = bytes_a_token * size_t(n_tokens);
+    lmloss::Context ctx;
+    ctx.set_workspace_budget(budget);
+    ASSERT_NO_FATAL_FAILURE(expect_reference_then_bitwise_rerun(c, ctx));
+    EXPECT_LE(ctx.peak_workspace(), budget);
+  }
+}
+
 TEST_F(Cuda, F64IsRejectedWithAMessage) {
   Generator gen(4008);
   LossCase c(gen.problem({.n_tokens = 4, .vocab = 50}), lmloss_loss_options_default(),
