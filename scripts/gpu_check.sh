@@ -79,8 +79,12 @@ install_wheels() {
   fi
 }
 
-# A GoogleTest log's closing counts on one line (PASSED is padded to the brackets' width).
-gtest_summary() { grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$1" | tr '\n' ' '; }
+# A GoogleTest log's closing counts on one line (PASSED is padded to the brackets' width), and its
+# time: a call's plan needs to know how long each suite takes.
+gtest_summary() {
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$1" | tr '\n' ' '
+  grep -oE '\([0-9]+ ms total\)' "$1" | tail -1
+}
 
 FAILED=0
 if has_stage tests; then
