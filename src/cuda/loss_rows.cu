@@ -312,20 +312,12 @@ __global__ void __launch_bounds__(kRowThreads, 2) loss_rows_kernel(const LossRow
     // the saved value.
     float lse;
     float sum_s = 0.f;
-    // dW's large entries: the tiles of this thread's that may hold one, a bit each (the k-th of its
-    // tiles, i = threadIdx.x + k blockDim.x), for the search below. A tile of max s >= lse -
-    // ln kLargeEntryInverse passes the same bar set by the lse of this thread's tiles so far, which
-    // is at most the row's (1% slack for rounding): few tiles do, but every tile that may.
-    uint64_t maybe_large = 0;
     if (stats_from_product(a.work)) {
       MaxSum acc{-INFINITY, 0.f};
-      int k = 0;
-      for (int64_t i = threadIdx.x; i < a.partial_tiles; i += blockDim.x, ++k) {
+      for (int64_t i = threadIdx.x; i < a.partial_tiles; i += blockDim.x) {
         const float4 p = partial[i];
         acc = merge(acc, MaxSum{p.x, p.y});
         sum_s += p.z;
-        if (finds_large && expf(p.x - acc.max) * (1.01f * kLargeEntryInverse) >= acc.sum)
-          maybe_large |= k < 64 ? uint64_t(1) << k : 0;
       }
       lse = block_lse(acc, maxsum_scratch);
       if (weights.label_smoothing != 0.f) sum_s = block_reduce(sum_s, Sum{}, 0.f, sum_scratch);
@@ -391,18 +383,14 @@ __global__ void __launch_bounds__(kRowThreads, 2) loss_rows_kernel(const LossRow
     // Which columns are taken moves only how much rounding dW keeps, not what it sums to.
     if (finds_large) {
       const float bar = lse - logf(kLargeEntryInverse);
-      auto consider_tile = [&](int64_t i) {
-        if (partial[i].x >= bar) {
-          const int at = atomicAdd(&large_tile_count, 1);
-          if (at < kLargeTilesMax) large_tiles[at] = int(i);
-        }
-      };
-      if (g != 0.f) {
-        for (uint64_t bits = maybe_large; bits != 0; bits &= bits - 1)
-          consider_tile(threadIdx.x + int64_t(__ffsll(int64_t(bits)) - 1) * blockDim.x);
-        // A thread's tiles past its 64th have no bits (over 1M columns at 128 threads): all are read.
-        for (int64_t i = threadIdx.x + 64 * int64_t(blockDim.x); i < a.partial_tiles; i += blockDim.x) consider_tile(i);
-      }
+      // The tiles whose max passes, their partials read a second time (marking them during the lse
+      // pass, before the bar is known, saved nothing measurable in run 64 and took registers).
+      if (g != 0.f)
+        for (int64_t i = threadIdx.x; i < a.partial_tiles; i += blockDim.x)
+          if (partial[i].x >= bar) {
+            const int at = atomicAdd(&large_tile_count, 1);
+            if (at < kLargeTilesMax) large_tiles[at] = int(i);
+          }
       __syncthreads();
       const int tiles = large_tile_count <= kLargeTilesMax ? large_tile_count : 0;
       for (int64_t i = threadIdx.x; i < tiles * kRowStatsTileColumns; i += blockDim.x) {
@@ -499,8 +487,8 @@ __global__ void __launch_bounds__(kRowThreads, 2) loss_rows_kernel(const LossRow
               found_corrections[l] = correction;
               found = true;
             }
-          const float row_scale = fabsf(p_coef * scale.derivative(s));
-          if (!found && fabsf(sparse_value(s, correction)) * kLargeEntryInverse >= row_scale) {
+          const float softmax_part = fabsf(p_coef * scale.derivative(s));  // |dl/dz| of p = 1
+          if (!found && fabsf(sparse_value(s, correction)) * kLargeEntryInverse >= softmax_part) {
             const int at = atomicAdd(&large_found, 1);
             if (at < kLargeFoundMax) {
               found_cols[at] = uint32_t(id);
