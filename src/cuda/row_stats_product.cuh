@@ -98,7 +98,8 @@ struct RowStatsProductArgs {
 bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hidden, int64_t hidden_ld,
                                  const void* weight, int64_t weight_ld, int64_t hidden_size);
 
-// Device workspace the product needs for `rows` (its tile scheduler's), 256-byte aligned.
+// Device workspace the product needs for `rows` (its tile scheduler's), whatever it keeps (the
+// outputs' pointers in `args` are not read), 256-byte aligned.
 size_t row_stats_product_workspace(const RowStatsProductArgs& args);
 
 // `workspace`: row_stats_product_workspace(args) bytes.

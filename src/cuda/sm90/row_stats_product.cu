@@ -25,6 +25,7 @@
 // keeps the direct stores.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -687,6 +688,22 @@ auto with_gemm(const RowStatsProductArgs& args, F&& f) {
                                   : with_clusters<cutlass::bfloat16_t>(args, f);
 }
 
+// The plans size the workspace before they choose what the product keeps (statistics, candidates
+// or a bar's list), so it is the most any of the kernels for these shapes takes.
+template <typename Element, int kClusterColumns>
+size_t any_kernel_workspace(const RowStatsProductArgs& a) {
+  return std::max({RowStatsGemm<Element, kKeepNone, true, kClusterColumns>::workspace(a),
+                   RowStatsGemm<Element, kKeepGroupBest, true, kClusterColumns>::workspace(a),
+                   RowStatsGemm<Element, kKeepGroupBest, false, kClusterColumns>::workspace(a),
+                   RowStatsGemm<Element, kKeepAbove, true, kClusterColumns>::workspace(a),
+                   RowStatsGemm<Element, kKeepAbove, false, kClusterColumns>::workspace(a)});
+}
+template <typename Element>
+size_t any_kernel_workspace(const RowStatsProductArgs& a) {
+  return device_traits(a.device).wide_clusters ? any_kernel_workspace<Element, 2>(a)
+                                               : any_kernel_workspace<Element, 1>(a);
+}
+
 }  // namespace
 
 bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hidden, int64_t hidden_ld,
@@ -698,8 +715,8 @@ bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hid
 }
 
 size_t row_stats_product_workspace(const RowStatsProductArgs& args) {
-  const size_t bytes = with_gemm(args, [&](auto gemm) { return decltype(gemm)::workspace(args); });
-  return align256(bytes);
+  return align256(args.dtype == LMLOSS_F16 ? any_kernel_workspace<cutlass::half_t>(args)
+                                           : any_kernel_workspace<cutlass::bfloat16_t>(args));
 }
 
 lmloss_status run_row_stats_product(const RowStatsProductArgs& args, void* workspace, cudaStream_t stream) {
