@@ -1,0 +1,233 @@
+// Probe (not part of the library): the last token chunk's dW product, dW[V x H] = C + G^T X (G: K x V
+// bf16 rows, X: K x H bf16), with the f32 sum C of the earlier chunks. (a) as the library runs it:
+// cuBLASLt adds into C in f32, then a pass rounds C * scale into the bf16 dW; (b) a CUTLASS sm90
+// product that reads C in f32 and stores bf16 (alpha from the device), in three tile shapes. Also
+// cuBLASLt and CUTLASS with beta 0 (their main loops alone), and (b)'s results against (a)'s.
+//
+// Build (sm_90a; CUTLASS's headers as cmake/cutlass.cmake fetches them):
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -DNDEBUG -isystem <cutlass>/include \
+//     --generate-code=arch=compute_90a,code=sm_90a -o probe_dw_store bench/probe_dw_store.cu -lcublasLt
+// Run: probe_dw_store V H K rounds   (llama3-8b's last chunk: 128256 4096 2816 5)
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <functional>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+using namespace cute;
+
+#define CUDA_OK(x)                                                          \
+  do {                                                                      \
+    cudaError_t e_ = (x);                                                   \
+    if (e_ != cudaSuccess) {                                                \
+      printf("cuda %s line %d\n", cudaGetErrorString(e_), __LINE__);        \
+      exit(1);                                                              \
+    }                                                                       \
+  } while (0)
+#define LT_OK(x)                                                            \
+  do {                                                                      \
+    cublasStatus_t s_ = (x);                                                \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                      \
+      printf("cublasLt %d line %d\n", int(s_), __LINE__);                   \
+      exit(1);                                                              \
+    }                                                                       \
+  } while (0)
+
+template <class Tile, class Cluster, class MainSched, class EpiSched>
+struct DwStore {
+  using A = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::ColumnMajor;  // A(v, k) = G[k * V + v]
+  using LayoutB = cutlass::layout::RowMajor;     // B(k, h) = X[k * H + h]
+  using LayoutC = cutlass::layout::RowMajor;     // dW[v * H + h]
+  using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, float, LayoutC, 4, cutlass::bfloat16_t,
+      LayoutC, 8, EpiSched>::CollectiveOp;
+  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, A, LayoutA, 8, A, LayoutB, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
+      MainSched>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  Gemm gemm;
+  void* ws = nullptr;
+  typename Gemm::Arguments args;
+  DwStore(int V, int H, int K, const void* g, const void* x, const float* c, void* d, const float* alpha, bool with_c,
+          int sms) {
+    typename Kernel::StrideA sa = make_stride(Int<1>{}, int64_t(V), int64_t(0));
+    typename Kernel::StrideB sb = make_stride(Int<1>{}, int64_t(H), int64_t(0));
+    typename Kernel::StrideC sc = make_stride(int64_t(H), Int<1>{}, int64_t(0));
+    typename Kernel::StrideD sd = make_stride(int64_t(H), Int<1>{}, int64_t(0));
+    args = typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGemm,
+                                    {V, H, K, 1},
+                                    {static_cast<const A*>(g), sa, static_cast<const A*>(x), sb},
+                                    {{}, c, sc, static_cast<cutlass::bfloat16_t*>(d), sd}};
+    args.epilogue.thread.alpha = 1.f;
+    args.epilogue.thread.alpha_ptr = alpha;
+    args.epilogue.thread.beta = with_c ? 1.f : 0.f;
+    args.hw_info.sm_count = sms;
+    size_t bytes = Gemm::get_workspace_size(args);
+    if (bytes) CUDA_OK(cudaMalloc(&ws, bytes));
+    cutlass::Status st = gemm.can_implement(args);
+    if (st == cutlass::Status::kSuccess) st = gemm.initialize(args, ws);
+    if (st != cutlass::Status::kSuccess) { printf("cutlass init: %s\n", cutlass::cutlassGetStatusString(st)); exit(1); }
+  }
+  void run(cudaStream_t s) {
+    cutlass::Status st = gemm.run(s);
+    if (st != cutlass::Status::kSuccess) { printf("cutlass run: %s\n", cutlass::cutlassGetStatusString(st)); exit(1); }
+  }
+};
+
+__global__ void fill_bf16(__nv_bfloat16* p, size_t n, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed; h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
+    p[i] = __float2bfloat16((float(h & 0xffffff) / 16777216.f - 0.5f) * scale);
+  }
+}
+__global__ void fill_f32(float* p, size_t n, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2246822519u ^ seed; h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
+    p[i] = (float(h & 0xffffff) / 16777216.f - 0.5f) * scale;
+  }
+}
+// Today's rounding pass: out = bf16(sum * scale), four a thread.
+__global__ void round_scaled(const float4* sum, const float* scale, __nv_bfloat162* out, size_t n4) {
+  const float s = *scale;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n4; i += size_t(gridDim.x) * blockDim.x) {
+    const float4 v = sum[i];
+    out[2 * i] = __floats2bfloat162_rn(v.x * s, v.y * s);
+    out[2 * i + 1] = __floats2bfloat162_rn(v.z * s, v.w * s);
+  }
+}
+
+struct LtProduct {  // dW (col-major H x V, ld H) = beta dW + X^T-view * G-view^T
+  cublasLtHandle_t lt;
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatmulAlgo_t algo;
+  void* ws;
+  size_t ws_bytes = 32u << 20;
+  LtProduct(cublasLtHandle_t h, int V, int H, int K, cudaDataType out) : lt(h) {
+    LT_OK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t tn = CUBLAS_OP_N, tt = CUBLAS_OP_T;
+    LT_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &tn, sizeof(tn)));
+    LT_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tt, sizeof(tt)));
+    LT_OK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, H, K, H));
+    LT_OK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, V, K, V));
+    LT_OK(cublasLtMatrixLayoutCreate(&lc, out, H, V, H));
+    CUDA_OK(cudaMalloc(&ws, ws_bytes));
+    cublasLtMatmulPreference_t pref;
+    LT_OK(cublasLtMatmulPreferenceCreate(&pref));
+    LT_OK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                               sizeof(ws_bytes)));
+    cublasLtMatmulHeuristicResult_t r; int found = 0;
+    LT_OK(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &r, &found));
+    if (!found) { printf("no cuBLASLt algorithm\n"); exit(1); }
+    algo = r.algo;
+  }
+  void run(const void* x, const void* g, void* c, float beta, cudaStream_t s) {
+    const float alpha = 1.f;
+    LT_OK(cublasLtMatmul(lt, desc, &alpha, x, la, g, lb, &beta, c, lc, c, lc, &algo, ws, ws_bytes, s));
+  }
+};
+
+float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+int main(int argc, char** argv) {
+  const int V = argc > 1 ? atoi(argv[1]) : 128256, H = argc > 2 ? atoi(argv[2]) : 4096;
+  const int K = argc > 3 ? atoi(argv[3]) : 2816;
+  const int reps = argc > 4 ? atoi(argv[4]) : 5;
+  int sms = 0; CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t vh = size_t(V) * H;
+  __nv_bfloat16 *g, *x, *d_ref, *d_new, *d16; float *c0, *c, *scale;
+  CUDA_OK(cudaMalloc(&g, size_t(K) * V * 2)); CUDA_OK(cudaMalloc(&x, size_t(K) * H * 2));
+  CUDA_OK(cudaMalloc(&c0, vh * 4)); CUDA_OK(cudaMalloc(&c, vh * 4));
+  CUDA_OK(cudaMalloc(&d_ref, vh * 2)); CUDA_OK(cudaMalloc(&d_new, vh * 2)); CUDA_OK(cudaMalloc(&d16, vh * 2));
+  CUDA_OK(cudaMalloc(&scale, 4));
+  fill_bf16<<<1024, 256>>>(g, size_t(K) * V, 1, 2e-3f);
+  fill_bf16<<<1024, 256>>>(x, size_t(K) * H, 2, 4.f);
+  fill_f32<<<1024, 256>>>(c0, vh, 3, 0.5f);
+  fill_bf16<<<1024, 256>>>(d16, vh, 4, 0.5f);
+  const float one = 1.f; CUDA_OK(cudaMemcpy(scale, &one, 4, cudaMemcpyHostToDevice));
+  cudaStream_t s; CUDA_OK(cudaStreamCreate(&s));
+  cublasLtHandle_t lt; LT_OK(cublasLtCreate(&lt));
+  LtProduct lt32(lt, V, H, K, CUDA_R_32F), lt16(lt, V, H, K, CUDA_R_16BF);
+  using Coop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using CoopEpi = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using Ping = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using PingEpi = cutlass::epilogue::TmaWarpSpecialized;
+  using K1 = DwStore<Shape<_128, _256, _64>, Shape<_2, _1, _1>, Coop, CoopEpi>;
+  using K2 = DwStore<Shape<_256, _128, _64>, Shape<_1, _2, _1>, Coop, CoopEpi>;
+  using K3 = DwStore<Shape<_128, _128, _64>, Shape<_2, _1, _1>, Ping, PingEpi>;
+  K1 k1(V, H, K, g, x, c0, d_new, scale, true, sms), k1z(V, H, K, g, x, c0, d_new, scale, false, sms);
+  K2 k2(V, H, K, g, x, c0, d_new, scale, true, sms), k2z(V, H, K, g, x, c0, d_new, scale, false, sms);
+  K3 k3(V, H, K, g, x, c0, d_new, scale, true, sms), k3z(V, H, K, g, x, c0, d_new, scale, false, sms);
+  const size_t n4 = vh / 4;
+  auto round_pass = [&] { round_scaled<<<sms * 8, 256, 0, s>>>((const float4*)c, scale, (__nv_bfloat162*)d_ref, n4); };
+
+  // Correctness: (a) from c0 against each CUTLASS kernel from c0.
+  CUDA_OK(cudaMemcpyAsync(c, c0, vh * 4, cudaMemcpyDeviceToDevice, s));
+  lt32.run(x, g, c, 1.f, s); round_pass();
+  std::vector<__nv_bfloat16> ref(vh), got(vh);
+  CUDA_OK(cudaMemcpyAsync(ref.data(), d_ref, vh * 2, cudaMemcpyDeviceToHost, s)); CUDA_OK(cudaStreamSynchronize(s));
+  auto compare = [&](const char* name) {
+    CUDA_OK(cudaMemcpy(got.data(), d_new, vh * 2, cudaMemcpyDeviceToHost));
+    // The two sum in different orders, so a few differ by an ulp (3.9e-3 relative); a wrong layout
+    // or a dropped C moves nearly all by far more (G^T X is ~10% of C here).
+    size_t differ = 0;
+    double worst = 0;
+    for (size_t i = 0; i < vh; ++i) {
+      const double a = bf(ref[i]), b = bf(got[i]);
+      if (a == b) continue;
+      ++differ;
+      worst = std::max(worst, std::abs(a - b) / std::max(1e-30, std::abs(a)));
+    }
+    printf("check %-28s differ %zu of %zu (%.2e), worst relative %.2e\n", name, differ, vh, double(differ) / vh, worst);
+  };
+  k1.run(s); CUDA_OK(cudaStreamSynchronize(s)); compare("cutlass 128x256 coop 2x1");
+  k2.run(s); CUDA_OK(cudaStreamSynchronize(s)); compare("cutlass 256x128 coop 1x2");
+  k3.run(s); CUDA_OK(cudaStreamSynchronize(s)); compare("cutlass 128x128 pingpong 2x1");
+
+  cudaEvent_t e0, e1; CUDA_OK(cudaEventCreate(&e0)); CUDA_OK(cudaEventCreate(&e1));
+  struct Variant { const char* name; std::function<void()> run; std::vector<float> ms; };
+  std::vector<Variant> vs;
+  vs.push_back({"a: lt f32 C+=, round pass", [&] { lt32.run(x, g, c, 1.f, s); round_pass(); }, {}});
+  vs.push_back({"   lt f32 C+= alone", [&] { lt32.run(x, g, c, 1.f, s); }, {}});
+  vs.push_back({"   round pass alone", [&] { round_pass(); }, {}});
+  vs.push_back({"b1: cutlass 128x256 coop C f32", [&] { k1.run(s); }, {}});
+  vs.push_back({"b2: cutlass 256x128 coop C f32", [&] { k2.run(s); }, {}});
+  vs.push_back({"b3: cutlass 128x128 ping C f32", [&] { k3.run(s); }, {}});
+  vs.push_back({"lt bf16 out, beta 0", [&] { lt16.run(x, g, d16, 0.f, s); }, {}});
+  vs.push_back({"lt bf16 C+= (per-chunk round)", [&] { lt16.run(x, g, d16, 1.f, s); }, {}});
+  vs.push_back({"cutlass 128x256 coop beta 0", [&] { k1z.run(s); }, {}});
+  vs.push_back({"cutlass 256x128 coop beta 0", [&] { k2z.run(s); }, {}});
+  vs.push_back({"cutlass 128x128 ping beta 0", [&] { k3z.run(s); }, {}});
+  for (auto& v : vs) v.run();  // warm
+  CUDA_OK(cudaStreamSynchronize(s));
+  for (int round = 0; round < reps; ++round)
+    for (auto& v : vs)
+      for (int i = 0; i < 3; ++i) {
+        CUDA_OK(cudaEventRecord(e0, s)); v.run(); CUDA_OK(cudaEventRecord(e1, s)); CUDA_OK(cudaEventSynchronize(e1));
+        float ms; CUDA_OK(cudaEventElapsedTime(&ms, e0, e1)); v.ms.push_back(ms);
+      }
+  const double flops = 2.0 * V * H * K;
+  printf("V %d H %d K %d, %d SMs, %d timings each (medians)\n", V, H, K, sms, 3 * reps);
+  for (auto& v : vs) {
+    std::sort(v.ms.begin(), v.ms.end());
+    const float med = v.ms[v.ms.size() / 2];
+    printf("%-34s %8.3f ms  %6.1f TFLOP/s  (min %.3f)\n", v.name, med, flops / med / 1e9, v.ms.front());
+  }
+  return 0;
+}
