@@ -746,7 +746,9 @@ TEST_F(Cuda, TopkFromTheProductOfAWideVocabularyInBothDtypes) {
 // 4 + m/16, at places in the group that vary), so each group's second joins the selection; a
 // head whose first 100 logits are the largest, so the first tile's groups hold 25 each and are
 // recomputed in full and merged; and a head whose logits all tie (every row of W the same),
-// where the selection recomputes group after group.
+// where the selection recomputes group after group. At temperatures 1, 0.7 and 1.3: the groups
+// keep their best, second and third unscaled, and their keys, the recomputed groups' too, are
+// scaled (1 / 1.3 rounds, so values apart in the logits may meet in the keys).
 TEST_F(Cuda, TopkFromTheProductRecomputesGroups) {
   LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4016);
@@ -783,23 +785,26 @@ TEST_F(Cuda, TopkFromTheProductRecomputesGroups) {
   heads.push_back({"tied", tied, {}});
   for (const Head& head : heads) {
     for (const int64_t k : {int64_t(64), int64_t(128)}) {
-      SCOPED_TRACE(std::string(head.name) + " k " + std::to_string(k));
-      lmloss_topk_options o = lmloss_topk_options_default();
-      o.k = k;
-      o.renormalize = 0;
-      TopkCase tc(head.problem, o, {.device = Device::cuda, .dtype = LMLOSS_BF16});
-      lmloss::Context ctx;
-      ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-      expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
-      EXPECT_LT(ctx.peak_workspace(), size_t(1) << 20);
-      const std::vector<int64_t> ids = tc.ids.ids();
-      ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-      EXPECT_EQ(ids, tc.ids.ids());
-      // The largest are exact and distinct: they come first, in order.
-      const int64_t count = int64_t(head.largest.size());
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t i = 0; i < k && i < count; ++i)
-          ASSERT_EQ(ids[t * k + i], head.largest[size_t(count - 1 - i)]) << "token " << t << " place " << i;
+      for (const double temperature : {1.0, 0.7, 1.3}) {
+        SCOPED_TRACE(std::string(head.name) + " k " + std::to_string(k) + " T " + std::to_string(temperature));
+        lmloss_topk_options o = lmloss_topk_options_default();
+        o.k = k;
+        o.temperature = temperature;
+        o.renormalize = 0;
+        TopkCase tc(head.problem, o, {.device = Device::cuda, .dtype = LMLOSS_BF16});
+        lmloss::Context ctx;
+        ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        expect_topk_matches_reference(tc, tolerance(LMLOSS_F32));
+        EXPECT_LT(ctx.peak_workspace(), size_t(1) << 20);
+        const std::vector<int64_t> ids = tc.ids.ids();
+        ASSERT_EQ(tc.run(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+        EXPECT_EQ(ids, tc.ids.ids());
+        // The largest are exact and distinct: they come first, in order.
+        const int64_t count = int64_t(head.largest.size());
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t i = 0; i < k && i < count; ++i)
+            ASSERT_EQ(ids[t * k + i], head.largest[size_t(count - 1 - i)]) << "token " << t << " place " << i;
+      }
     }
   }
 }
