@@ -5,6 +5,7 @@
 // Each test skips, saying why, where no CUDA device is usable.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -1496,6 +1497,52 @@ TEST_F(Cuda, SixtyFourBitIndexing) {
   cudaFree(d_labels);
   cudaFree(d_loss);
   cudaFree(d_lse);
+}
+
+// A fused step whose one chunk holds N x V > 2^31 logits (a budget with room for every row), bf16
+// in the exponential form and through the gradient pass (label smoothing). The tokens repeat a
+// pool of 8 (hidden state and label), so the step is the pool's: each token's loss and lse its
+// pool row's, dX its pool row's times 8 / N (its share of the mean), dW the pool's.
+TEST_F(Cuda, FusedStepOfAChunkPast2To31LogitsMatchesReference) {
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
+  const int64_t vocab = 131101, hidden = 64, n_tokens = 16400, pool = 8;
+  ASSERT_GT(double(vocab) * double(n_tokens), 2147483648.0);
+  Generator gen(4041);
+  reference::Problem p = gen.problem({.n_tokens = pool, .vocab = vocab, .hidden = hidden, .ignore_fraction = 0});
+  p.n_tokens = n_tokens;
+  p.hidden_states.resize(size_t(n_tokens * hidden));
+  p.labels.resize(size_t(n_tokens));
+  for (int64_t t = pool; t < n_tokens; ++t) {
+    std::copy_n(p.hidden_states.begin() + (t % pool) * hidden, hidden, p.hidden_states.begin() + t * hidden);
+    p.labels[size_t(t)] = p.labels[size_t(t % pool)];
+  }
+  for (const char* name : {"plain", "smoothing_zloss_temperature"}) {
+    SCOPED_TRACE(name);
+    const lmloss_loss_options o = options_named(name);
+    LossCase c(p, o, setup(LMLOSS_BF16, LMLOSS_F32));
+    lmloss::Context ctx;
+    ctx.set_workspace_budget(size_t(8) << 30);
+    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+    EXPECT_GT(ctx.peak_workspace(), size_t(2) * size_t(n_tokens) * size_t(vocab)) << "one chunk of 16-bit logits";
+    // The pool's reference, on the rounded inputs the call took.
+    reference::Problem rows = c.problem();
+    rows.n_tokens = pool;
+    rows.hidden_states.resize(size_t(pool * hidden));
+    rows.labels.resize(size_t(pool));
+    const reference::LossResult ref = reference::loss(rows, o);
+    std::vector<double> lse(static_cast<size_t>(n_tokens)), grad_hidden(static_cast<size_t>(n_tokens * hidden));
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      lse[size_t(t)] = ref.lse[size_t(t % pool)];
+      for (int64_t h = 0; h < hidden; ++h)
+        grad_hidden[size_t(t * hidden + h)] = ref.grad_hidden[size_t((t % pool) * hidden + h)] * pool / n_tokens;
+    }
+    const double tol = tolerance(LMLOSS_BF16, LMLOSS_F32);
+    EXPECT_TRUE(close_to(c.loss.values(), ref.loss, tol));
+    EXPECT_TRUE(close_to(c.lse.values(), lse, tol));
+    EXPECT_TRUE(close_to(c.grad_hidden.values(), grad_hidden, tol));
+    EXPECT_TRUE(close_to(c.grad_weight.values(), ref.grad_weight, tol));
+    EXPECT_TRUE(fully_written(c.grad_weight));
+  }
 }
 
 }  // namespace
