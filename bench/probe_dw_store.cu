@@ -4,10 +4,9 @@
 // product that reads C in f32 and stores bf16 (alpha from the device), in three tile shapes. Also
 // cuBLASLt and CUTLASS with beta 0 (their main loops alone), and (b)'s results against (a)'s.
 //
-// Build (sm_90a; CUTLASS's headers as cmake/cutlass.cmake fetches them):
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -DNDEBUG -isystem <cutlass>/include \
-//     --generate-code=arch=compute_90a,code=sm_90a -o probe_dw_store bench/probe_dw_store.cu -lcublasLt
-// Run: probe_dw_store V H K rounds   (llama3-8b's last chunk: 128256 4096 2816 5)
+// Build: the CMake target probe_dw_store of a CUDA build for 90a (cmake --build build-cuda --target
+// probe_dw_store). Run: build-cuda/tools/probe_dw_store V H K rounds (llama3-8b's last chunk:
+// 128256 4096 2816 5).
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
