@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "core/context.hpp"
 #include "cuda/common.cuh"
@@ -677,19 +678,26 @@ auto with_outputs(const RowStatsProductArgs& args, F&& f) {
   return args.partial ? f(RowStatsGemm<Element, kKeepGroupBest, true, kClusterColumns>{})
                       : f(RowStatsGemm<Element, kKeepGroupBest, false, kClusterColumns>{});
 }
-template <typename Element, typename F>
-auto with_clusters(const RowStatsProductArgs& args, F&& f) {
-  return device_traits(args.device).wide_clusters ? with_outputs<Element, 2>(args, f)
-                                                   : with_outputs<Element, 1>(args, f);
+
+// f(Element{}, std::integral_constant<int, kClusterColumns>{}) for the args' dtype and the
+// device's clusters: the one place that chooses them, for running and for sizing.
+template <typename F>
+auto with_family(const RowStatsProductArgs& args, F&& f) {
+  auto with_clusters = [&](auto element) {
+    return device_traits(args.device).wide_clusters ? f(element, std::integral_constant<int, 2>{})
+                                                     : f(element, std::integral_constant<int, 1>{});
+  };
+  return args.dtype == LMLOSS_F16 ? with_clusters(cutlass::half_t{}) : with_clusters(cutlass::bfloat16_t{});
 }
 template <typename F>
 auto with_gemm(const RowStatsProductArgs& args, F&& f) {
-  return args.dtype == LMLOSS_F16 ? with_clusters<cutlass::half_t>(args, f)
-                                  : with_clusters<cutlass::bfloat16_t>(args, f);
+  return with_family(args, [&](auto element, auto clusters) {
+    return with_outputs<decltype(element), decltype(clusters)::value>(args, f);
+  });
 }
 
 // The plans size the workspace before they choose what the product keeps (statistics, candidates
-// or a bar's list), so it is the most any of the kernels for these shapes takes.
+// or a bar's list), so it is the most any of the family's kernels (with_outputs') takes.
 template <typename Element, int kClusterColumns>
 size_t any_kernel_workspace(const RowStatsProductArgs& a) {
   return std::max({RowStatsGemm<Element, kKeepNone, true, kClusterColumns>::workspace(a),
@@ -697,11 +705,6 @@ size_t any_kernel_workspace(const RowStatsProductArgs& a) {
                    RowStatsGemm<Element, kKeepGroupBest, false, kClusterColumns>::workspace(a),
                    RowStatsGemm<Element, kKeepAbove, true, kClusterColumns>::workspace(a),
                    RowStatsGemm<Element, kKeepAbove, false, kClusterColumns>::workspace(a)});
-}
-template <typename Element>
-size_t any_kernel_workspace(const RowStatsProductArgs& a) {
-  return device_traits(a.device).wide_clusters ? any_kernel_workspace<Element, 2>(a)
-                                               : any_kernel_workspace<Element, 1>(a);
 }
 
 }  // namespace
@@ -715,8 +718,9 @@ bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hid
 }
 
 size_t row_stats_product_workspace(const RowStatsProductArgs& args) {
-  return align256(args.dtype == LMLOSS_F16 ? any_kernel_workspace<cutlass::half_t>(args)
-                                           : any_kernel_workspace<cutlass::bfloat16_t>(args));
+  return align256(with_family(args, [&](auto element, auto clusters) {
+    return any_kernel_workspace<decltype(element), decltype(clusters)::value>(args);
+  }));
 }
 
 lmloss_status run_row_stats_product(const RowStatsProductArgs& args, void* workspace, cudaStream_t stream) {
