@@ -2,7 +2,9 @@
 // bf16 rows, X: K x H bf16), with the f32 sum C of the earlier chunks. (a) as the library runs it:
 // cuBLASLt adds into C in f32, then a pass rounds C * scale into the bf16 dW; (b) a CUTLASS sm90
 // product that reads C in f32 and stores bf16 (alpha from the device), in three tile shapes. Also
-// cuBLASLt and CUTLASS with beta 0 (their main loops alone), and (b)'s results against (a)'s.
+// cuBLASLt and CUTLASS with beta 0 (their main loops alone), and (b)'s results against (a)'s. (c) the
+// 128 x 256 kernel of (b) storing the whole bf16 dW in place over the kept sum, in launches over
+// doubling row ranges (see main).
 //
 // Build: the CMake target probe_dw_store of a CUDA build for 90a (cmake --build build-cuda --target
 // probe_dw_store). Run: build-cuda/tools/probe_dw_store V H K rounds (llama3-8b's last chunk:
@@ -13,6 +15,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -63,19 +66,23 @@ struct DwStore {
   Gemm gemm;
   void* ws = nullptr;
   typename Gemm::Arguments args;
+  // Rows [first, first + rows) of dW (all of them by default); G's rows are V apart. The scale
+  // multiplies the product, and with scale_c C too (the upstream gradient of a deferred product).
   DwStore(int V, int H, int K, const void* g, const void* x, const float* c, void* d, const float* alpha, bool with_c,
-          int sms) {
+          int sms, int first = 0, int rows = -1, bool scale_c = false) {
+    if (rows < 0) rows = V - first;
     typename Kernel::StrideA sa = make_stride(Int<1>{}, int64_t(V), int64_t(0));
     typename Kernel::StrideB sb = make_stride(Int<1>{}, int64_t(H), int64_t(0));
     typename Kernel::StrideC sc = make_stride(int64_t(H), Int<1>{}, int64_t(0));
     typename Kernel::StrideD sd = make_stride(int64_t(H), Int<1>{}, int64_t(0));
     args = typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGemm,
-                                    {V, H, K, 1},
-                                    {static_cast<const A*>(g), sa, static_cast<const A*>(x), sb},
+                                    {rows, H, K, 1},
+                                    {static_cast<const A*>(g) + first, sa, static_cast<const A*>(x), sb},
                                     {{}, c, sc, static_cast<cutlass::bfloat16_t*>(d), sd}};
     args.epilogue.thread.alpha = 1.f;
     args.epilogue.thread.alpha_ptr = alpha;
     args.epilogue.thread.beta = with_c ? 1.f : 0.f;
+    if (scale_c) args.epilogue.thread.beta_ptr = alpha;
     args.hw_info.sm_count = sms;
     size_t bytes = Gemm::get_workspace_size(args);
     if (bytes) CUDA_OK(cudaMalloc(&ws, bytes));
@@ -181,8 +188,8 @@ int main(int argc, char** argv) {
   lt32.run(x, g, c, 1.f, s); round_pass();
   std::vector<__nv_bfloat16> ref(vh), got(vh);
   CUDA_OK(cudaMemcpyAsync(ref.data(), d_ref, vh * 2, cudaMemcpyDeviceToHost, s)); CUDA_OK(cudaStreamSynchronize(s));
-  auto compare = [&](const char* name) {
-    CUDA_OK(cudaMemcpy(got.data(), d_new, vh * 2, cudaMemcpyDeviceToHost));
+  auto compare = [&](const char* name, const void* result) {
+    CUDA_OK(cudaMemcpy(got.data(), result, vh * 2, cudaMemcpyDeviceToHost));
     // The two sum in different orders, so a few differ by an ulp (3.9e-3 relative); a wrong layout
     // or a dropped C moves nearly all by far more (G^T X is ~10% of C here).
     size_t differ = 0;
@@ -195,12 +202,50 @@ int main(int argc, char** argv) {
     }
     printf("check %-28s differ %zu of %zu (%.2e), worst relative %.2e\n", name, differ, vh, double(differ) / vh, worst);
   };
-  k1.run(s); CUDA_OK(cudaStreamSynchronize(s)); compare("cutlass 128x256 coop 2x1");
-  k2.run(s); CUDA_OK(cudaStreamSynchronize(s)); compare("cutlass 256x128 coop 1x2");
-  k3.run(s); CUDA_OK(cudaStreamSynchronize(s)); compare("cutlass 128x128 pingpong 2x1");
+  k1.run(s); CUDA_OK(cudaStreamSynchronize(s)); compare("cutlass 128x256 coop 2x1", d_new);
+  k2.run(s); CUDA_OK(cudaStreamSynchronize(s)); compare("cutlass 256x128 coop 1x2", d_new);
+  k3.run(s); CUDA_OK(cudaStreamSynchronize(s)); compare("cutlass 128x128 pingpong 2x1", d_new);
+
+  // (c) b1's kernel storing the whole bf16 dW in place over the kept sum as lmloss holds it: f32
+  // rows [0, V/2) over the gradient's own bytes (row r at byte 4 r H), the rest right after them.
+  // bf16 row r lands on f32 row r / 2, so the rows go in launches over doubling ranges [R, 2R),
+  // [2R, 4R), ..., [V/2, V): each stores over f32 rows that the launches before it have read, and
+  // reads none that it stores over. Rows [0, R), whose bytes hold their own f32 rows, go to a
+  // small buffer first and are copied in last. The scale multiplies C too, as it would in a
+  // product deferred to backward.
+  const int split = V / 2;
+  const bool in_place = V % 16 == 0 && split >= 256;
+  const int first_rows = split / 16 / 8 * 8;
+  float* kept = nullptr;
+  __nv_bfloat16* first_out = nullptr;
+  std::vector<std::unique_ptr<K1>> ranges;
+  auto in_place_run = [&] {
+    for (auto& k : ranges) k->run(s);
+    CUDA_OK(cudaMemcpyAsync(kept, first_out, size_t(first_rows) * H * 2, cudaMemcpyDeviceToDevice, s));
+  };
+  if (in_place) {
+    CUDA_OK(cudaMalloc(&kept, vh * 4));
+    CUDA_OK(cudaMalloc(&first_out, size_t(first_rows) * H * 2));
+    __nv_bfloat16* kept16 = reinterpret_cast<__nv_bfloat16*>(kept);
+    ranges.push_back(std::make_unique<K1>(V, H, K, g, x, kept, first_out, scale, true, sms, 0, first_rows, true));
+    printf("in place: rows [0, %d) to a buffer", first_rows);
+    for (int a = first_rows; a < V;) {
+      const int b = a < split ? std::min(2 * a, split) : V;
+      ranges.push_back(std::make_unique<K1>(V, H, K, g, x, kept + size_t(a) * H, kept16 + size_t(a) * H, scale,
+                                            true, sms, a, b - a, true));
+      printf(", [%d, %d)", a, b);
+      a = b;
+    }
+    printf("\n");
+    CUDA_OK(cudaMemcpyAsync(kept, c0, vh * 4, cudaMemcpyDeviceToDevice, s));
+    in_place_run();
+    CUDA_OK(cudaStreamSynchronize(s));
+    compare("c: in place, doubling rows", kept);
+  }
 
   cudaEvent_t e0, e1; CUDA_OK(cudaEventCreate(&e0)); CUDA_OK(cudaEventCreate(&e1));
-  struct Variant { const char* name; std::function<void()> run; std::vector<float> ms; };
+  // prep runs before each timing, outside it.
+  struct Variant { const char* name; std::function<void()> run; std::vector<float> ms; std::function<void()> prep = {}; };
   std::vector<Variant> vs;
   vs.push_back({"a: lt f32 C+=, round pass", [&] { lt32.run(x, g, c, 1.f, s); round_pass(); }, {}});
   vs.push_back({"   lt f32 C+= alone", [&] { lt32.run(x, g, c, 1.f, s); }, {}});
@@ -213,11 +258,18 @@ int main(int argc, char** argv) {
   vs.push_back({"cutlass 128x256 coop beta 0", [&] { k1z.run(s); }, {}});
   vs.push_back({"cutlass 256x128 coop beta 0", [&] { k2z.run(s); }, {}});
   vs.push_back({"cutlass 128x128 ping beta 0", [&] { k3z.run(s); }, {}});
-  for (auto& v : vs) v.run();  // warm
+  if (in_place)
+    vs.push_back({"c: in place, doubling rows", in_place_run, {},
+                  [&] { CUDA_OK(cudaMemcpyAsync(kept, c0, vh * 4, cudaMemcpyDeviceToDevice, s)); }});
+  for (auto& v : vs) {  // warm
+    if (v.prep) v.prep();
+    v.run();
+  }
   CUDA_OK(cudaStreamSynchronize(s));
   for (int round = 0; round < reps; ++round)
     for (auto& v : vs)
       for (int i = 0; i < 3; ++i) {
+        if (v.prep) v.prep();
         CUDA_OK(cudaEventRecord(e0, s)); v.run(); CUDA_OK(cudaEventRecord(e1, s)); CUDA_OK(cudaEventSynchronize(e1));
         float ms; CUDA_OK(cudaEventElapsedTime(&ms, e0, e1)); v.ms.push_back(ms);
       }
