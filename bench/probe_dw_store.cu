@@ -211,36 +211,61 @@ int main(int argc, char** argv) {
   // bf16 row r lands on f32 row r / 2, so the rows go in launches over doubling ranges [R, 2R),
   // [2R, 4R), ..., [V/2, V): each stores over f32 rows that the launches before it have read, and
   // reads none that it stores over. Rows [0, R), whose bytes hold their own f32 rows, go to a
-  // small buffer first and are copied in last. The scale multiplies C too, as it would in a
-  // product deferred to backward.
+  // buffer first and are copied in last. The scale multiplies C too, as it would in a product
+  // deferred to backward.
+  // R = V / 2 / 2^levels, in 2 + levels launches (4, 2 and 1 levels timed).
   const int split = V / 2;
   const bool in_place = V % 16 == 0 && split >= 256;
-  const int first_rows = split / 16 / 8 * 8;
   float* kept = nullptr;
   __nv_bfloat16* first_out = nullptr;
-  std::vector<std::unique_ptr<K1>> ranges;
-  auto in_place_run = [&] {
-    for (auto& k : ranges) k->run(s);
-    CUDA_OK(cudaMemcpyAsync(kept, first_out, size_t(first_rows) * H * 2, cudaMemcpyDeviceToDevice, s));
+  struct InPlace {
+    int first_rows;
+    std::vector<std::unique_ptr<K1>> ranges;
+    std::function<void()> run;
   };
+  InPlace in_place_by_levels[3];
   if (in_place) {
     CUDA_OK(cudaMalloc(&kept, vh * 4));
-    CUDA_OK(cudaMalloc(&first_out, size_t(first_rows) * H * 2));
+    CUDA_OK(cudaMalloc(&first_out, size_t(split / 2) * H * 2));
     __nv_bfloat16* kept16 = reinterpret_cast<__nv_bfloat16*>(kept);
-    ranges.push_back(std::make_unique<K1>(V, H, K, g, x, kept, first_out, scale, true, sms, 0, first_rows, true));
-    printf("in place: rows [0, %d) to a buffer", first_rows);
-    for (int a = first_rows; a < V;) {
-      const int b = a < split ? std::min(2 * a, split) : V;
-      ranges.push_back(std::make_unique<K1>(V, H, K, g, x, kept + size_t(a) * H, kept16 + size_t(a) * H, scale,
-                                            true, sms, a, b - a, true));
-      printf(", [%d, %d)", a, b);
-      a = b;
+    const int levels[3] = {4, 2, 1};
+    for (int l = 0; l < 3; ++l) {
+      InPlace& ip = in_place_by_levels[l];
+      ip.first_rows = (split >> levels[l]) / 8 * 8;
+      ip.ranges.push_back(
+          std::make_unique<K1>(V, H, K, g, x, kept, first_out, scale, true, sms, 0, ip.first_rows, true));
+      printf("in place: rows [0, %d) to a buffer", ip.first_rows);
+      for (int a = ip.first_rows; a < V;) {
+        const int b = a < split ? std::min(2 * a, split) : V;
+        ip.ranges.push_back(std::make_unique<K1>(V, H, K, g, x, kept + size_t(a) * H, kept16 + size_t(a) * H,
+                                                 scale, true, sms, a, b - a, true));
+        printf(", [%d, %d)", a, b);
+        a = b;
+      }
+      printf("\n");
+      ip.run = [&ip, &s, kept, first_out, H] {
+        for (auto& k : ip.ranges) k->run(s);
+        CUDA_OK(cudaMemcpyAsync(kept, first_out, size_t(ip.first_rows) * H * 2, cudaMemcpyDeviceToDevice, s));
+      };
+      CUDA_OK(cudaMemcpyAsync(kept, c0, vh * 4, cudaMemcpyDeviceToDevice, s));
+      ip.run();
+      CUDA_OK(cudaStreamSynchronize(s));
+      const char* names[3] = {"c4: in place, 6 launches", "c2: in place, 4 launches", "c1: in place, 3 launches"};
+      compare(names[l], kept);
     }
-    printf("\n");
+    // A scale not 1, as an upstream gradient would be: (a) rounds (sum + product) * scale, (c)
+    // scale * product + scale * sum, so a few values may differ by an ulp; a scale missing from C
+    // would move half of C's weight in every value.
+    const float upstream = 0.37f;
+    CUDA_OK(cudaMemcpy(scale, &upstream, 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpyAsync(c, c0, vh * 4, cudaMemcpyDeviceToDevice, s));
+    lt32.run(x, g, c, 1.f, s); round_pass();
+    CUDA_OK(cudaMemcpyAsync(ref.data(), d_ref, vh * 2, cudaMemcpyDeviceToHost, s));
     CUDA_OK(cudaMemcpyAsync(kept, c0, vh * 4, cudaMemcpyDeviceToDevice, s));
-    in_place_run();
+    in_place_by_levels[0].run();
     CUDA_OK(cudaStreamSynchronize(s));
-    compare("c: in place, doubling rows", kept);
+    compare("c4 at scale 0.37", kept);
+    CUDA_OK(cudaMemcpy(scale, &one, 4, cudaMemcpyHostToDevice));
   }
 
   cudaEvent_t e0, e1; CUDA_OK(cudaEventCreate(&e0)); CUDA_OK(cudaEventCreate(&e1));
@@ -258,9 +283,12 @@ int main(int argc, char** argv) {
   vs.push_back({"cutlass 128x256 coop beta 0", [&] { k1z.run(s); }, {}});
   vs.push_back({"cutlass 256x128 coop beta 0", [&] { k2z.run(s); }, {}});
   vs.push_back({"cutlass 128x128 ping beta 0", [&] { k3z.run(s); }, {}});
-  if (in_place)
-    vs.push_back({"c: in place, doubling rows", in_place_run, {},
-                  [&] { CUDA_OK(cudaMemcpyAsync(kept, c0, vh * 4, cudaMemcpyDeviceToDevice, s)); }});
+  auto restore_kept = [&] { CUDA_OK(cudaMemcpyAsync(kept, c0, vh * 4, cudaMemcpyDeviceToDevice, s)); };
+  if (in_place) {
+    vs.push_back({"c4: in place, 6 launches", in_place_by_levels[0].run, {}, restore_kept});
+    vs.push_back({"c2: in place, 4 launches", in_place_by_levels[1].run, {}, restore_kept});
+    vs.push_back({"c1: in place, 3 launches", in_place_by_levels[2].run, {}, restore_kept});
+  }
   for (auto& v : vs) {  // warm
     if (v.prep) v.prep();
     v.run();
