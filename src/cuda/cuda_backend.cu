@@ -27,6 +27,8 @@
 //               stream beside dW's product, joined before the next chunk)
 //   dW += E^T (f * X_chunk) token_scale, then += c X_chunk at the labels   (tokens ordered by
 //               label once per call, so each label's rows are summed in order: deterministic)
+//   a bf16 dW summed in f32: the last chunk's product stored as bf16 over the sum, in place,
+//               its terms at the labels added first (weight_grad_store.cuh; no rounding pass)
 // A frozen head (dX only) in the exponential form that would take kSlicedMinChunks or more token
 // chunks takes slices of the vocabulary instead, each at full height (run_sliced_dx).
 // Teacher top-k through such a head (k up to
@@ -53,6 +55,7 @@
 #include "cuda/matmul.cuh"
 #include "cuda/row_stats_product.cuh"
 #include "cuda/topk.cuh"
+#include "cuda/weight_grad_store.cuh"
 
 namespace lmloss::cuda {
 namespace {
@@ -1012,6 +1015,15 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   dw.split = call.vocab;
   dw.dtype = g.grad_weight.dtype;
   Workspace dw_tail(r.context, r.state.device, r.stream);
+  const int64_t chunks = plan_chunk_count(plan, call.n_tokens);
+  // The last chunk's dW product stored straight into the bf16 dW over the library's own sum, in
+  // place of its product into the sum and the rounding pass (weight_grad_store.cuh): on sm_90a,
+  // for the statistics product's gradient, when that chunk adds to a sum.
+  WeightGradStoreArgs store;
+  void* store_ws = nullptr;
+  bool store_dw = wide_dw && !kept_dw && plan.row_stats_product && !plan.separate_grad && forms_gradient(a.work) &&
+                  call.input_dtype == LMLOSS_BF16 && g.grad_weight.dtype == LMLOSS_BF16 &&
+                  row_stride(g.grad_weight) == call.hidden && (chunks > 1 || accumulate_w);
   if (kept_dw) {
     dw.split = call.weight_sum_split;
     dw.tail = kept_tail.data;
@@ -1027,8 +1039,30 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     dw.split = core::weight_sum_rows_in_place(g.grad_weight, call.vocab, call.hidden);
     dw.tail_ld = call.hidden;
     dw.dtype = LMLOSS_F32;
-    LMLOSS_CHECK(dw_tail.acquire(sizeof(float) * size_t(call.vocab - dw.split) * size_t(call.hidden)));
+    const size_t tail_bytes = align256(sizeof(float) * size_t(call.vocab - dw.split) * size_t(call.hidden));
+    if (store_dw) {
+      const auto [last_row0, last_rows] = chunk_span(plan, call.n_tokens, chunks - 1);
+      store.device = r.state.device;
+      store.vocab = call.vocab;
+      store.hidden = call.hidden;
+      store.tokens = last_rows;
+      store.grad = logits_chunk;
+      store.grad_ld = plan.grad_ld;
+      store.x = plan.exp_form ? staging_x : x + last_row0 * x_ld * in_size;
+      store.x_ld = plan.exp_form ? call.hidden : x_ld;
+      store.alpha = plan.exp_form ? &scalars->token_scale : &scalars->inv_grad_scale;
+      store.rows = dw.rows;
+      store.split = dw.split;
+      store.tail_ld = dw.tail_ld;
+      store_dw = weight_grad_store_supported(store);  // the tail yet to come, aligned as all workspace
+    }
+    const size_t store_bytes = store_dw ? weight_grad_store_workspace(store) : 0;
+    LMLOSS_CHECK(dw_tail.acquire(tail_bytes + store_bytes));
     dw.tail = dw_tail.at<void>(0);
+    if (store_dw) {
+      store.tail = static_cast<const float*>(dw.tail);
+      store_ws = dw_tail.at<void>(tail_bytes);
+    }
     if (accumulate_w) {  // the caller's 16-bit rows from split on into the tail, then the rest widened in place
       const char* tail_rows16 = static_cast<char*>(dw.rows) + dw.split * dw.ld * int64_t(core::dtype_size(g.grad_weight.dtype));
       LMLOSS_CHECK(launch_scale_rows(tail_rows16, g.grad_weight.dtype, dw.ld, nullptr, nullptr, call.vocab - dw.split,
@@ -1050,7 +1084,18 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     if (bytes > 0 && bytes % int64_t(sizeof(float)) == 0) dw_parts_stride = bytes / int64_t(sizeof(float));
   }
 
-  const int64_t chunks = plan_chunk_count(plan, call.n_tokens);
+  // The large entries' exact terms in place of the products' (see LargeEntries): after the last
+  // chunk's row kernel, before the sum is rounded.
+  auto add_large_entries = [&]() -> lmloss_status {
+    LargeEntriesTerms terms;
+    terms.tokens = call.n_tokens;
+    terms.vocab = call.vocab;
+    terms.cols = call.hidden;
+    terms.x = x;
+    terms.x_ld = x_ld;
+    terms.scalars = scalars;
+    return launch_add_large_entries(large, terms, dw, r.stream);
+  };
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const auto [row0, rows] = chunk_span(plan, call.n_tokens, chunk);
     a.row0 = row0;
@@ -1188,24 +1233,32 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         s.lda = call.hidden;
         alpha = &scalars->token_scale;
       }
-      const float* beta = add ? &scalars->one : &scalars->zero;
-      if (dw_parts_stride > 0) {  // both parts at once: the gradient's columns from split on into the tail
-        s.batch = 2;
-        s.batch_stride_b = dw.split;
-        s.batch_stride_d = dw_parts_stride;
+      auto add_label_rows = [&](int64_t chunk_rows) {
+        return launch_add_label_rows(label_order, call.n_tokens, label_rows, chunk_rows, x_chunk, x_ld, call.hidden,
+                                     dw, r.stream);
+      };
+      if (store_dw && chunk == chunks - 1) {  // the sum's other terms first: the store leaves no f32 sum
+        if (label_rows.coef) LMLOSS_CHECK(add_label_rows(rows));
+        if (large.cols) LMLOSS_CHECK(add_large_entries());
+        LMLOSS_CHECK(run_weight_grad_store(store, store_ws, r.stream));
+      } else {
+        const float* beta = add ? &scalars->one : &scalars->zero;
+        if (dw_parts_stride > 0) {  // both parts at once: the gradient's columns from split on into the tail
+          s.batch = 2;
+          s.batch_stride_b = dw.split;
+          s.batch_stride_d = dw_parts_stride;
+        }
+        if (s.n > 0)
+          LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad, dw.rows, alpha, beta, matmul_ws, r.stream,
+                                          r.context.tune_products));
+        if (dw.split < call.vocab && dw_parts_stride == 0) {  // the tail: the gradient's columns from split on
+          s.n = call.vocab - dw.split;
+          s.ldd = dw.tail_ld;
+          LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad + dw.split * int64_t(core::dtype_size(gtype)), dw.tail,
+                                          alpha, beta, matmul_ws, r.stream, r.context.tune_products));
+        }
+        if (label_rows.coef) LMLOSS_CHECK(add_label_rows(rows));
       }
-      if (s.n > 0)
-        LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad, dw.rows, alpha, beta, matmul_ws, r.stream,
-                                        r.context.tune_products));
-      if (dw.split < call.vocab && dw_parts_stride == 0) {  // the tail: the gradient's columns from split on
-        s.n = call.vocab - dw.split;
-        s.ldd = dw.tail_ld;
-        LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad + dw.split * int64_t(core::dtype_size(gtype)), dw.tail,
-                                        alpha, beta, matmul_ws, r.stream, r.context.tune_products));
-      }
-      if (label_rows.coef)
-        LMLOSS_CHECK(launch_add_label_rows(label_order, call.n_tokens, label_rows, rows, x_chunk, x_ld, call.hidden,
-                                           dw, r.stream));
     }
     if (bias_grad)
       LMLOSS_CHECK(launch_column_sum(grad, plan.grad_ld, gtype, rows, call.vocab, row0 > 0, scalars,
@@ -1213,17 +1266,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     if (plan.dx_beside_dw) LMLOSS_CHECK(side.join());
   }
 
-  if (large.cols) {  // the large entries' exact terms in place of the products'
-    LargeEntriesTerms terms;
-    terms.tokens = call.n_tokens;
-    terms.vocab = call.vocab;
-    terms.cols = call.hidden;
-    terms.x = x;
-    terms.x_ld = x_ld;
-    terms.scalars = scalars;
-    LMLOSS_CHECK(launch_add_large_entries(large, terms, dw, r.stream));
-  }
-  if (wide_dw && !kept_dw)
+  if (large.cols && !store_dw) LMLOSS_CHECK(add_large_entries());
+  if (wide_dw && !kept_dw && !store_dw)
     LMLOSS_CHECK(round_weight_sum(dw.rows, g.grad_weight.dtype, dw.ld, dw.split, call.vocab, call.hidden, dw.tail,
                                   dw.tail_ld, nullptr, r.stream));
   if (reduced_loss) LMLOSS_CHECK(launch_reduce_loss(token_loss, call.n_tokens, scalars,

@@ -93,6 +93,10 @@ struct RowStatsProductArgs {
   int64_t kept_ld = 0;
 };
 
+// Whether sm_90a kernels (this file's and weight_grad_store.cuh's) run on the device: built in, and
+// the device is sm_90. Read once per device.
+bool sm90_kernels_run(int device);
+
 // Whether this build has the product and `device` runs it, for these operands (16-bit, rows and
 // pointers aligned as the tensor-memory copies need). The caller rules out bias and soft-capping.
 bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hidden, int64_t hidden_ld,

@@ -7,6 +7,8 @@
 
 namespace lmloss::cuda {
 
+bool sm90_kernels_run(int) { return false; }
+
 bool row_stats_product_supported(int, lmloss_dtype, const void*, int64_t, const void*, int64_t, int64_t) {
   return false;
 }

@@ -714,8 +714,10 @@ bool row_stats_product_supported(int device, lmloss_dtype dtype, const void* hid
   if (dtype != LMLOSS_BF16 && dtype != LMLOSS_F16) return false;
   // The tensor-memory copies move 16-byte rows from 16-byte-aligned addresses.
   if (hidden_size % 8 || hidden_ld % 8 || weight_ld % 8 || !aligned16(hidden) || !aligned16(weight)) return false;
-  return device_traits(device).sm90;
+  return sm90_kernels_run(device);
 }
+
+bool sm90_kernels_run(int device) { return device_traits(device).sm90; }
 
 size_t row_stats_product_workspace(const RowStatsProductArgs& args) {
   return align256(with_family(args, [&](auto element, auto clusters) {
