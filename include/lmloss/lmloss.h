@@ -186,8 +186,9 @@ typedef enum lmloss_reduction {
  * after each chunk (whose error grows with the chunks: 2.4e-3 from float64 over 3, 4.9e-3 over 10,
  * against 1.7e-3 rounded once; docs/contract.md). CUDA: half of the f32 sum is held in
  * grad_weight's own bytes (when its rows are dense), the rest in (vocab - vocab / 2) x hidden x 4
- * bytes of workspace taken for the call beyond the budget. The CPU always sums so, that rest
- * within the budget. */
+ * bytes of workspace taken for the call beyond the budget (on sm_90, with a bf16 grad_weight,
+ * vocab / 32 rows of bf16 more, for the last chunk's product to store over the sum). The CPU
+ * always sums so, that rest within the budget. */
 #define LMLOSS_SUM_GRAD_WEIGHT_IN_F32 4u
 
 /* A 16-bit grad_weight's f32 sum can also be kept unrounded across calls that add to it (micro-
