@@ -261,5 +261,7 @@ inline unsigned int row_grid(int64_t rows) {
 
 // Workspace pieces start on 256-byte boundaries, as cudaMalloc's blocks do.
 inline size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
+// Where TMA copies and 16-byte vector accesses may start.
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace lmloss::cuda

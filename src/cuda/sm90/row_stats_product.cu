@@ -619,8 +619,6 @@ struct RowStatsGemm {
   }
 };
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Clusters of 2 x 2 tiles halve the operand bytes a tile pulls through L2 against 2 x 1, but a GPC
 // holds fewer clusters of four: 30 (120 of 132 SMs) against 66 of two on the H100 and H200 measured.
 // So 2 x 2 pays where the 2 x 1 product is bound by L2 bandwidth, as on the H100 (ncu: 87% of L2

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <string>
-#include <vector>
 
 #include "core/context.hpp"
 #include "cuda/common.cuh"
@@ -27,7 +26,7 @@ namespace {
 
 using namespace cute;
 
-// D (vocab rows, hidden) = alpha * A B + beta * C: A(v, k) = G[k * grad_ld + v], B(k, h) =
+// D (vocab rows, hidden) = alpha * A B + C: A(v, k) = G[k * grad_ld + v], B(k, h) =
 // X[k * x_ld + h], C f32 and D bf16 row-major.
 struct StoreGemm {
   using Element = cutlass::bfloat16_t;
@@ -57,7 +56,6 @@ struct StoreGemm {
         {{}, c, {c_ld, Int<1>{}, int64_t(0)}, static_cast<Element*>(d), {a.hidden, Int<1>{}, int64_t(0)}}};
     args.epilogue.thread.alpha_ptr = a.alpha;
     args.epilogue.thread.beta = 1.f;
-    args.epilogue.thread.beta_ptr = a.beta;
     args.hw_info.device_id = a.device;
     return args;
   }
@@ -66,8 +64,6 @@ struct StoreGemm {
 // Rows [0, R) go to scratch first: R = split / 16 (a multiple of 8) leaves four doubling launches
 // up to split; a split under 256 rows goes to scratch whole.
 int64_t first_rows(int64_t split) { return split >= 256 ? split / 16 / 8 * 8 : split; }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
