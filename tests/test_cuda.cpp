@@ -1513,46 +1513,59 @@ TEST_F(Cuda, SixtyFourBitIndexing) {
 // A fused step whose one chunk holds N x V > 2^31 logits (a budget with room for every row), bf16
 // in the exponential form and through the gradient pass (label smoothing). The tokens repeat a
 // pool of 8 (hidden state and label), so the step is the pool's: each token's loss and lse its
-// pool row's, dX its pool row's times 8 / N (its share of the mean), dW the pool's.
+// pool row's, dX its pool row's times 8 / N (its share of the mean), dW the pool's. dW in f32, and
+// in bf16 summed in f32 and added to zeros: on sm_90a that one chunk's product is stored over the
+// sum (weight_grad_store.cuh), its gradient operand past 2^31 elements too.
 TEST_F(Cuda, FusedStepOfAChunkPast2To31LogitsMatchesReference) {
   LMLOSS_REQUIRE_STATISTICS_PRODUCT();
-  const int64_t vocab = 131101, hidden = 64, n_tokens = 16400, pool = 8;
-  ASSERT_GT(double(vocab) * double(n_tokens), 2147483648.0);
+  const int64_t hidden = 64, n_tokens = 16400, pool = 8;
   Generator gen(4041);
-  reference::Problem p = gen.problem({.n_tokens = pool, .vocab = vocab, .hidden = hidden, .ignore_fraction = 0});
-  p.n_tokens = n_tokens;
-  p.hidden_states.resize(size_t(n_tokens * hidden));
-  p.labels.resize(size_t(n_tokens));
-  for (int64_t t = pool; t < n_tokens; ++t) {
-    std::copy_n(p.hidden_states.begin() + (t % pool) * hidden, hidden, p.hidden_states.begin() + t * hidden);
-    p.labels[size_t(t)] = p.labels[size_t(t % pool)];
-  }
-  for (const char* name : {"plain", "smoothing_zloss_temperature"}) {
-    SCOPED_TRACE(name);
-    const lmloss_loss_options o = options_named(name);
-    LossCase c(p, o, setup(LMLOSS_BF16, LMLOSS_F32));
-    lmloss::Context ctx;
-    ctx.set_workspace_budget(size_t(8) << 30);
-    ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-    EXPECT_GT(ctx.peak_workspace(), size_t(2) * size_t(n_tokens) * size_t(vocab)) << "one chunk of 16-bit logits";
-    // The pool's reference, on the rounded inputs the call took.
-    reference::Problem rows = c.problem();
-    rows.n_tokens = pool;
-    rows.hidden_states.resize(size_t(pool * hidden));
-    rows.labels.resize(size_t(pool));
-    const reference::LossResult ref = reference::loss(rows, o);
-    std::vector<double> lse(static_cast<size_t>(n_tokens)), grad_hidden(static_cast<size_t>(n_tokens * hidden));
-    for (int64_t t = 0; t < n_tokens; ++t) {
-      lse[size_t(t)] = ref.lse[size_t(t % pool)];
-      for (int64_t h = 0; h < hidden; ++h)
-        grad_hidden[size_t(t * hidden + h)] = ref.grad_hidden[size_t((t % pool) * hidden + h)] * pool / n_tokens;
+  // f32 gradients at V 131101; bf16 at V 131104, whose store takes vocabularies of a multiple of 8.
+  for (const lmloss_dtype grad_dtype : {LMLOSS_F32, LMLOSS_BF16}) {
+    const int64_t vocab = grad_dtype == LMLOSS_F32 ? 131101 : 131104;
+    ASSERT_GT(double(vocab) * double(n_tokens), 2147483648.0);
+    reference::Problem p = gen.problem({.n_tokens = pool, .vocab = vocab, .hidden = hidden, .ignore_fraction = 0});
+    p.n_tokens = n_tokens;
+    p.hidden_states.resize(size_t(n_tokens * hidden));
+    p.labels.resize(size_t(n_tokens));
+    for (int64_t t = pool; t < n_tokens; ++t) {
+      std::copy_n(p.hidden_states.begin() + (t % pool) * hidden, hidden, p.hidden_states.begin() + t * hidden);
+      p.labels[size_t(t)] = p.labels[size_t(t % pool)];
     }
-    const double tol = tolerance(LMLOSS_BF16, LMLOSS_F32);
-    EXPECT_TRUE(close_to(c.loss.values(), ref.loss, tol));
-    EXPECT_TRUE(close_to(c.lse.values(), lse, tol));
-    EXPECT_TRUE(close_to(c.grad_hidden.values(), grad_hidden, tol));
-    EXPECT_TRUE(close_to(c.grad_weight.values(), ref.grad_weight, tol));
-    EXPECT_TRUE(fully_written(c.grad_weight));
+    for (const char* name : {"plain", "smoothing_zloss_temperature"}) {
+      SCOPED_TRACE(std::string(name) + ", gradients " + dtype_name(grad_dtype));
+      lmloss_loss_options o = options_named(name);
+      LossSetup st = setup(LMLOSS_BF16, grad_dtype);
+      if (grad_dtype == LMLOSS_BF16) {
+        o.flags |= LMLOSS_SUM_GRAD_WEIGHT_IN_F32 | LMLOSS_ACCUMULATE_GRAD_WEIGHT;
+        st.grad_weight_initial.assign(size_t(vocab * hidden), 0.0);
+      }
+      LossCase c(p, o, st);
+      lmloss::Context ctx;
+      ctx.set_workspace_budget(size_t(8) << 30);
+      ASSERT_EQ(c.forward_backward(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      EXPECT_GT(ctx.peak_workspace(), size_t(2) * size_t(n_tokens) * size_t(vocab)) << "one chunk of 16-bit logits";
+      // The pool's reference, on the rounded inputs the call took.
+      reference::Problem rows = c.problem();
+      rows.n_tokens = pool;
+      rows.hidden_states.resize(size_t(pool * hidden));
+      rows.labels.resize(size_t(pool));
+      const reference::LossResult ref = reference::loss(rows, o);
+      std::vector<double> lse(static_cast<size_t>(n_tokens)), grad_hidden(static_cast<size_t>(n_tokens * hidden));
+      for (int64_t t = 0; t < n_tokens; ++t) {
+        lse[size_t(t)] = ref.lse[size_t(t % pool)];
+        for (int64_t h = 0; h < hidden; ++h)
+          grad_hidden[size_t(t * hidden + h)] = ref.grad_hidden[size_t((t % pool) * hidden + h)] * pool / n_tokens;
+      }
+      const double tol = tolerance(LMLOSS_BF16, LMLOSS_F32), grad_tol = tolerance(LMLOSS_BF16, grad_dtype);
+      EXPECT_TRUE(close_to(c.loss.values(), ref.loss, tol));
+      EXPECT_TRUE(close_to(c.lse.values(), lse, tol));
+      EXPECT_TRUE(close_to(c.grad_hidden.values(), grad_hidden, grad_tol));
+      EXPECT_TRUE(close_to(c.grad_weight.values(), ref.grad_weight, grad_tol));
+      if (grad_dtype == LMLOSS_F32) {  // bf16's started as zeros
+        EXPECT_TRUE(fully_written(c.grad_weight));
+      }
+    }
   }
 }
 
