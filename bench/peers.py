@@ -5,7 +5,8 @@ For each preset and mode: naive PyTorch (F.cross_entropy(h @ W.T)), torch.compil
 Kernel's LigerFusedLinearCrossEntropyLoss and Cut Cross-Entropy's linear_cross_entropy (default
 gradient filtering, and exact with filter_eps=None), and lmloss itself (lmloss.torch, and
 lmloss.topk for top-k; for fwd+bwd also its fused op alone, "lmloss-op", and lmloss.torch with
-its 16-bit dW summed in a float32 tensor of its own, "lmloss-f32dw"), when they import.
+its 16-bit dW summed in a float32 tensor of its own, "lmloss-f32dw", and its eager step with every
+dW product added into the kept sum in the step, "lmloss-nodefer"), when they import.
 Each row: median time of CUDA events around the step (L2 flushed before every run), the peak
 extra device memory over the inputs (gradients included), and the floor: the bare torch.matmul
 products of the same step (forward; + dX; + dW) timed right before the method, on the card as the
@@ -335,6 +336,16 @@ def lmloss_methods(mode, y, ids, p):
             finally:
                 lt._KEEP_WEIGHT_SUM = True
         out["lmloss-f32dw"] = f32_dw
+
+        # The same with the last chunk's dW product added into the kept sum in the step, the sum
+        # rounded by its own pass in backward (lmloss.torch before the deferred product).
+        def no_defer(x, w):
+            lt._DEFER_WEIGHT_PRODUCT = False
+            try:
+                return lt.linear_cross_entropy(x, w, y)
+            finally:
+                lt._DEFER_WEIGHT_PRODUCT = True
+        out["lmloss-nodefer"] = no_defer
         # The fused op alone, outside autograd: loss and gradients for an upstream gradient of 1,
         # a 16-bit dW kept as its float32 sum (what lmloss.torch's forward runs, before backward
         # rounds it).

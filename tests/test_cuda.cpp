@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "harness.hpp"
@@ -476,6 +477,157 @@ TEST_F(Cuda, SixteenBitWeightGradientIsRoundedOnceFromItsF32Sum) {
         }
       }
     }
+  }
+}
+
+// A fused step that keeps a bf16 dW's f32 sum can leave its last chunk's dW product (its first
+// chunk, the tallest, run last) to lmloss_round_grad_weight_deferred, which stores it straight
+// into dW over the sum, the upstream gradient as the scale: the sum rounded once, as from an f32
+// dW (the step's calls again into one, rounded here), every element written, the reference met,
+// bitwise on a rerun, in less of the step's own workspace. In the exponential form and the
+// gradient pass, alone and after a step into the same sum, in chunks of the product's cluster
+// rows and shorter ones; a vocabulary of 8 (no rows of the sum in place). Nothing is deferred for
+// one chunk, a vocabulary not a multiple of 8 or f16; a buffer of another size is refused, nothing
+// written.
+TEST_F(Cuda, FusedStepDefersItsLastWeightProductToTheRounding) {
+  LMLOSS_REQUIRE_STATISTICS_PRODUCT();
+  Generator gen(4050);
+  struct DeferShape {
+    int64_t n_tokens, vocab, hidden, budget_rows;
+  };
+  for (const DeferShape shape : {DeferShape{700, 2008, 72, 128}, DeferShape{1300, 2000, 40, 560},
+                                 DeferShape{300, 8, 64, 128}}) {
+    for (const char* name : {"plain", "smoothing_zloss_temperature", "distill_mixed"}) {
+      for (const bool after_a_step : {false, true}) {
+        SCOPED_TRACE(cat(name, " N ", shape.n_tokens, " V ", shape.vocab, " H ", shape.hidden,
+                         after_a_step ? " after a step" : ""));
+        const lmloss_loss_options o = options_named(name);
+        const reference::Problem problem = gen.problem({.n_tokens = shape.n_tokens, .vocab = shape.vocab,
+                                                        .hidden = shape.hidden, .top_k = o.kd_weight != 0 ? 8 : 0});
+        LossSetup st = setup(LMLOSS_BF16, LMLOSS_BF16);
+        st.want_grad_bias = false;
+        lmloss::Context ctx;
+        ctx.set_workspace_budget(budget_for_rows(shape.budget_rows, shape.vocab));
+        Buffer scale = Buffer::of_values(Device::cuda, LMLOSS_F32, {0.37}, 0, 1);
+        scale.upload();
+        const lmloss_tensor scale_t = after_a_step ? scale.tensor() : lmloss_tensor_none();
+
+        // The step(s) into a kept sum, the last given `deferred` where it defers, then the rounding.
+        Buffer tail(Device::cuda, LMLOSS_F32, 2, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(shape.vocab), shape.hidden);
+        LossCase c(problem, o, st);
+        c.options.grad_weight_sum_tail = tail.tensor();
+        Buffer deferred;
+        size_t step_peak = 0;
+        auto steps = [&](const Buffer* into) -> lmloss_status {
+          const lmloss_head h = c.head();
+          const lmloss_targets t = c.targets();
+          const lmloss_grads g = c.grads();
+          const lmloss_tensor loss_t = c.loss_tensor(), lse_t = c.lse_tensor();
+          lmloss_loss_options step = c.options;
+          if (after_a_step) {
+            const lmloss_status first_step =
+                lmloss_loss_forward_backward(ctx.get(), &h, &t, &step, nullptr, &loss_t, &lse_t, &g);
+            if (first_step != LMLOSS_SUCCESS) return first_step;
+            step.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT;
+          }
+          if (into) step.grad_weight_deferred = into->tensor();
+          lmloss_context_reset_peak_workspace(ctx.get());
+          const lmloss_status last_step =
+              lmloss_loss_forward_backward(ctx.get(), &h, &t, &step, nullptr, &loss_t, &lse_t, &g);
+          if (last_step != LMLOSS_SUCCESS) return last_step;
+          lmloss_context_get_peak_workspace(ctx.get(), &step_peak);
+          const lmloss_tensor tail_t = tail.tensor();
+          if (!into) return lmloss_round_grad_weight(ctx.get(), &g.grad_weight, &tail_t, &scale_t);
+          const lmloss_tensor deferred_t = into->tensor();
+          return lmloss_round_grad_weight_deferred(ctx.get(), &g.grad_weight, &tail_t, &scale_t, &deferred_t);
+        };
+        size_t bytes = 0;
+        {
+          const lmloss_head h = c.head();
+          const lmloss_targets t = c.targets();
+          const lmloss_grads g = c.grads();
+          const lmloss_tensor loss_t = c.loss_tensor(), lse_t = c.lse_tensor();
+          ASSERT_EQ(lmloss_loss_deferred_bytes(ctx.get(), &h, &t, &c.options, nullptr, &loss_t, &lse_t, &g, &bytes),
+                    LMLOSS_SUCCESS)
+              << lmloss_last_error();
+        }
+        ASSERT_GT(bytes, size_t(256)) << "a kept bf16 sum over several chunks defers its last product";
+        ASSERT_EQ(c.invoke(ctx.get(), [&] { return steps(nullptr); }), LMLOSS_SUCCESS) << lmloss_last_error();
+        const size_t plain_peak = step_peak;
+        deferred = Buffer(Device::cuda, LMLOSS_U8, 1, int64_t(bytes));
+        ASSERT_EQ(c.invoke(ctx.get(), [&] { return steps(&deferred); }), LMLOSS_SUCCESS) << lmloss_last_error();
+        EXPECT_TRUE(fully_written(c.grad_weight));
+        EXPECT_LT(step_peak + bytes / 2, plain_peak) << "the step's logits are the buffer's";
+        if (!after_a_step) expect_matches_reference(c, Mode::forward_backward);
+        const std::vector<double> first = c.output_values();
+        ASSERT_EQ(c.invoke(ctx.get(), [&] { return steps(&deferred); }), LMLOSS_SUCCESS) << lmloss_last_error();
+        EXPECT_TRUE(bitwise_equal(first, c.output_values()));
+
+        // The same steps into an f32 dW.
+        LossSetup wide_setup = setup(LMLOSS_BF16, LMLOSS_F32);
+        wide_setup.want_grad_bias = false;
+        LossCase wide(problem, o, wide_setup);
+        ASSERT_EQ(wide.invoke(ctx.get(),
+                              [&] {
+                                const lmloss_head h = wide.head();
+                                const lmloss_targets t = wide.targets();
+                                const lmloss_grads g = wide.grads();
+                                const lmloss_tensor loss_t = wide.loss_tensor(), lse_t = wide.lse_tensor();
+                                lmloss_loss_options step = o;
+                                lmloss_status status = LMLOSS_SUCCESS;
+                                for (int i = 0; i < (after_a_step ? 2 : 1) && status == LMLOSS_SUCCESS; ++i) {
+                                  status = lmloss_loss_forward_backward(ctx.get(), &h, &t, &step, nullptr, &loss_t,
+                                                                        &lse_t, &g);
+                                  step.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT;
+                                }
+                                return status;
+                              }),
+                  LMLOSS_SUCCESS)
+            << lmloss_last_error();
+        EXPECT_TRUE(rounded_once_from(c.grad_weight, wide.grad_weight, c.grad_weight.count(),
+                                      after_a_step ? 0.37f : 1.f));
+
+        // A buffer of another size: refused before anything is written.
+        Buffer other(Device::cuda, LMLOSS_U8, 1, int64_t(bytes) + 256);
+        lmloss_loss_options refused = c.options;
+        refused.grad_weight_deferred = other.tensor();
+        EXPECT_EQ(c.invoke(ctx.get(),
+                           [&] {
+                             const lmloss_head h = c.head();
+                             const lmloss_targets t = c.targets();
+                             const lmloss_grads g = c.grads();
+                             const lmloss_tensor loss_t = c.loss_tensor(), lse_t = c.lse_tensor();
+                             return lmloss_loss_forward_backward(ctx.get(), &h, &t, &refused, nullptr, &loss_t,
+                                                                 &lse_t, &g);
+                           }),
+                  LMLOSS_ERROR_INVALID_ARGUMENT);
+        EXPECT_NE(std::string(lmloss_last_error()).find("lmloss_loss_deferred_bytes gives"), std::string::npos)
+            << lmloss_last_error();
+        EXPECT_TRUE(untouched(c.grad_weight));
+      }
+    }
+  }
+
+  // Nothing deferred: one chunk, a vocabulary not a multiple of 8, f16.
+  for (const auto& [n_tokens, vocab, dtype] :
+       {std::tuple{64, 2008, LMLOSS_BF16}, std::tuple{700, 2001, LMLOSS_BF16}, std::tuple{700, 2008, LMLOSS_F16}}) {
+    SCOPED_TRACE(cat("N ", n_tokens, " V ", vocab, " ", dtype_name(dtype)));
+    LossSetup st = setup(dtype, dtype);
+    st.want_grad_bias = false;
+    LossCase c(gen.problem({.n_tokens = n_tokens, .vocab = vocab, .hidden = 72}), options_named("plain"), st);
+    Buffer tail(Device::cuda, LMLOSS_F32, 2, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab), 72);
+    c.options.grad_weight_sum_tail = tail.tensor();
+    lmloss::Context ctx;
+    ctx.set_workspace_budget(budget_for_rows(128, vocab));
+    const lmloss_head h = c.head();
+    const lmloss_targets t = c.targets();
+    const lmloss_grads g = c.grads();
+    const lmloss_tensor loss_t = c.loss_tensor(), lse_t = c.lse_tensor();
+    size_t bytes = 1;
+    ASSERT_EQ(lmloss_loss_deferred_bytes(ctx.get(), &h, &t, &c.options, nullptr, &loss_t, &lse_t, &g, &bytes),
+              LMLOSS_SUCCESS)
+        << lmloss_last_error();
+    EXPECT_EQ(bytes, size_t(0));
   }
 }
 

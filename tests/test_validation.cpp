@@ -672,16 +672,122 @@ TEST_P(Validation, KeptWeightSumTail) {
   }
 }
 
-// Options of 0.1's size, before grad_weight_sum_tail, are read without it: the field's bytes
-// (here a pointer to nowhere) are the caller's, not the library's to read.
-TEST_P(Validation, OptionsOfTheEarlierSizeHaveNoTail) {
-  LossCase c = linear_case();
-  LossArgs a = args_of(c);
-  a.options.struct_size = uint32_t(offsetof(lmloss_loss_options, grad_weight_sum_tail));
-  a.options.grad_weight_sum_tail = lmloss_tensor_2d(reinterpret_cast<void*>(uintptr_t(8)), LMLOSS_F32, 1, 1, 0);
-  const lmloss_status got = c.invoke(ctx.get(), [&] { return call(ctx.get(), Mode::forward_backward, a); });
-  EXPECT_EQ(got, LMLOSS_SUCCESS) << lmloss_last_error();
-  expect_matches_reference(c, Mode::forward_backward);
+// Options of 0.1's and 0.2's sizes, before grad_weight_sum_tail and before grad_weight_deferred,
+// are read without them: the fields' bytes (here pointers to nowhere) are the caller's, not the
+// library's to read.
+TEST_P(Validation, OptionsOfTheEarlierSizesHaveNoLaterFields) {
+  for (const size_t size : {offsetof(lmloss_loss_options, grad_weight_sum_tail),
+                            offsetof(lmloss_loss_options, grad_weight_deferred)}) {
+    SCOPED_TRACE(cat("struct_size ", size));
+    LossCase c = linear_case();
+    LossArgs a = args_of(c);
+    a.options.struct_size = uint32_t(size);
+    if (size < offsetof(lmloss_loss_options, grad_weight_deferred))
+      a.options.grad_weight_sum_tail = lmloss_tensor_2d(reinterpret_cast<void*>(uintptr_t(8)), LMLOSS_F32, 1, 1, 0);
+    a.options.grad_weight_deferred = lmloss_tensor_1d(reinterpret_cast<void*>(uintptr_t(8)), LMLOSS_U8, 1);
+    const lmloss_status got = c.invoke(ctx.get(), [&] { return call(ctx.get(), Mode::forward_backward, a); });
+    EXPECT_EQ(got, LMLOSS_SUCCESS) << lmloss_last_error();
+    expect_matches_reference(c, Mode::forward_backward);
+  }
+}
+
+// A buffer for a step's deferred dW product (options.grad_weight_deferred) only where
+// lmloss_loss_deferred_bytes sizes one: here none (the CPU defers nothing; on CUDA a vocabulary
+// of 37 does not take the store), so any is refused, as are one without a kept sum, on a forward,
+// of another dtype or rank, or misaligned; and lmloss_round_grad_weight_deferred's arguments.
+TEST_P(Validation, DeferredWeightProductBuffer) {
+  Generator gen(406);
+  const int64_t vocab = 37, hidden = 8, least = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(int64_t(37));
+  LossSetup s;
+  s.device = device();
+  s.dtype = LMLOSS_BF16;
+  s.grad_dtype = LMLOSS_BF16;
+  LossCase c(gen.problem({.n_tokens = 6, .vocab = vocab, .hidden = hidden}), lmloss_loss_options_default(), s);
+  Buffer tail(device(), LMLOSS_F32, 2, least, hidden);
+  Buffer buffer(device(), LMLOSS_U8, 1, 1024), wide(device(), LMLOSS_F32, 1, 256);
+  lmloss_tensor aligned = buffer.tensor();  // 768 of its bytes from a multiple of 256 (host memory may not be)
+  const uintptr_t skip = (256 - reinterpret_cast<uintptr_t>(aligned.data) % 256) % 256;
+  aligned.data = static_cast<char*>(aligned.data) + skip;
+  aligned.shape[0] = 768;
+  LossArgs kept = args_of(c);
+  kept.options.grad_weight_sum_tail = tail.tensor();
+
+  size_t bytes = 1;
+  EXPECT_EQ(lmloss_loss_deferred_bytes(ctx.get(), &kept.head, &kept.targets, &kept.options, &kept.grad_loss,
+                                       &kept.loss, &kept.lse, &kept.grads, &bytes),
+            LMLOSS_SUCCESS)
+      << lmloss_last_error();
+  EXPECT_EQ(bytes, size_t(0));
+  EXPECT_EQ(lmloss_loss_deferred_bytes(ctx.get(), &kept.head, &kept.targets, &kept.options, &kept.grad_loss,
+                                       &kept.loss, &kept.lse, &kept.grads, nullptr),
+            LMLOSS_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(lmloss_loss_deferred_bytes(nullptr, &kept.head, &kept.targets, &kept.options, &kept.grad_loss,
+                                       &kept.loss, &kept.lse, &kept.grads, &bytes),
+            LMLOSS_ERROR_INVALID_ARGUMENT);
+
+  auto expect_buffer_rejected = [&](const std::function<void(LossArgs&)>& edit, Mode mode = Mode::forward_backward) {
+    LossArgs a = kept;
+    a.options.grad_weight_deferred = aligned;
+    edit(a);
+    expect_loss_rejected(c, a, "options.grad_weight_deferred", mode);
+  };
+  {
+    SCOPED_TRACE("where nothing is deferred");
+    expect_buffer_rejected([](LossArgs&) {});
+    EXPECT_NE(std::string(lmloss_last_error()).find("nothing is deferred"), std::string::npos) << lmloss_last_error();
+  }
+  {
+    SCOPED_TRACE("without a kept sum");
+    expect_buffer_rejected([](LossArgs& a) { a.options.grad_weight_sum_tail = lmloss_tensor_none(); });
+  }
+  {
+    SCOPED_TRACE("on a forward");
+    expect_buffer_rejected([](LossArgs&) {}, Mode::forward);
+  }
+  {
+    SCOPED_TRACE("not u8");
+    expect_buffer_rejected([&](LossArgs& a) { a.options.grad_weight_deferred = wide.tensor(); });
+  }
+  {
+    SCOPED_TRACE("not a vector");
+    expect_buffer_rejected([&](LossArgs& a) {
+      a.options.grad_weight_deferred = aligned;
+      a.options.grad_weight_deferred.ndim = 2;
+      a.options.grad_weight_deferred.shape[0] = 3;
+      a.options.grad_weight_deferred.shape[1] = 256;
+    });
+  }
+  {
+    SCOPED_TRACE("misaligned");
+    expect_buffer_rejected([](LossArgs& a) {
+      a.options.grad_weight_deferred.data = static_cast<char*>(a.options.grad_weight_deferred.data) + 16;
+      a.options.grad_weight_deferred.shape[0] -= 16;
+    });
+  }
+
+  // The rounding given a deferred product: none to be had for this sum on either device.
+  Buffer grad(device(), LMLOSS_BF16, 2, vocab, hidden);
+  const int64_t one_row_bytes = 256 + 2 * (vocab + hidden);  // the layout of one token's product
+  Buffer one_row(device(), LMLOSS_U8, 1, 256 + one_row_bytes);
+  for (Buffer* b : {&grad, &tail, &one_row}) {
+    b->poison();
+    b->upload();
+  }
+  const lmloss_tensor g = grad.tensor(), t = tail.tensor();
+  lmloss_tensor d = one_row.tensor();
+  d.data = static_cast<char*>(d.data) + (256 - reinterpret_cast<uintptr_t>(d.data) % 256) % 256;
+  d.shape[0] = one_row_bytes;
+  EXPECT_EQ(lmloss_round_grad_weight_deferred(ctx.get(), &g, &t, nullptr, nullptr), LMLOSS_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(lmloss_last_error()).rfind("deferred", 0), 0u) << lmloss_last_error();
+  EXPECT_EQ(lmloss_round_grad_weight_deferred(ctx.get(), &g, &t, nullptr, &d), LMLOSS_ERROR_UNSUPPORTED);
+  EXPECT_EQ(std::string(lmloss_last_error()).rfind("deferred", 0), 0u) << lmloss_last_error();
+  const lmloss_tensor f = wide.tensor();
+  EXPECT_EQ(lmloss_round_grad_weight_deferred(ctx.get(), &g, &t, nullptr, &f), LMLOSS_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(lmloss_last_error()).rfind("deferred", 0), 0u) << lmloss_last_error();
+  for (Buffer* b : {&grad, &tail, &one_row}) {
+    b->download();
+    EXPECT_TRUE(untouched(*b));
+  }
 }
 
 TEST_P(Validation, RoundGradWeightArguments) {

@@ -37,7 +37,7 @@ extern "C" {
 #endif
 
 #define LMLOSS_VERSION_MAJOR 0
-#define LMLOSS_VERSION_MINOR 2
+#define LMLOSS_VERSION_MINOR 3
 #define LMLOSS_VERSION_PATCH 0
 
 /* ---- Status -------------------------------------------------------------------------------- */
@@ -224,11 +224,17 @@ typedef struct lmloss_loss_options {
    * Read when grads.grad_weight is written; a backward or fused call given one without
    * grads.grad_weight is refused, a forward ignores it. */
   lmloss_tensor grad_weight_sum_tail;
+  /* Since 0.3, an output as well: a fused step's last token chunk's dW product, left to
+   * lmloss_round_grad_weight_deferred instead of added into a kept sum (see
+   * lmloss_loss_deferred_bytes). A u8 vector of exactly that many bytes, its data 256-byte
+   * aligned, on the inputs' device; absent (data NULL) by default. */
+  lmloss_tensor grad_weight_deferred;
 } lmloss_loss_options;
 
 #define LMLOSS_LOSS_OPTIONS_INIT                                                              \
   { (uint32_t)sizeof(lmloss_loss_options), LMLOSS_REDUCTION_MEAN, -100, 0.0, 1.0, 0.0, 0.0, \
-    0.0, 0.0, 1.0, 0u, {NULL, LMLOSS_F32, 0, {0, 0}, 0, LMLOSS_DEVICE_CPU, 0} }
+    0.0, 0.0, 1.0, 0u, {NULL, LMLOSS_F32, 0, {0, 0}, 0, LMLOSS_DEVICE_CPU, 0},               \
+    {NULL, LMLOSS_U8, 0, {0, 0}, 0, LMLOSS_DEVICE_CPU, 0} }
 
 static inline lmloss_loss_options lmloss_loss_options_default(void) {
   lmloss_loss_options o = LMLOSS_LOSS_OPTIONS_INIT;
@@ -289,6 +295,21 @@ LMLOSS_API lmloss_status lmloss_loss_forward_backward(
     const lmloss_loss_options* options, const lmloss_tensor* grad_loss, const lmloss_tensor* loss,
     const lmloss_tensor* lse, const lmloss_grads* grads);
 
+/* A fused step with a kept sum (options.grad_weight_sum_tail, bf16) can leave its last token
+ * chunk's dW product to the rounding, which then stores it straight into grad_weight as it reads
+ * the sum (lmloss_round_grad_weight_deferred): no product into the sum and no rounding pass after
+ * it. *bytes is what options.grad_weight_deferred must hold for lmloss_loss_forward_backward with
+ * these same arguments (the options' grad_weight_deferred itself is not read), or 0 where nothing
+ * is deferred: on the CPU, without a kept sum, for one token chunk, and where the store does not
+ * run (CUDA before sm_90, a vocab or hidden not a multiple of 8). The step takes the buffer as its
+ * logits workspace for every chunk, that much less of its own: its peak stays as it was, but the
+ * buffer lives until the rounding. Until then the kept sum lacks that product: round it with
+ * lmloss_round_grad_weight_deferred before any other call adds to it. */
+LMLOSS_API lmloss_status lmloss_loss_deferred_bytes(
+    lmloss_context* context, const lmloss_head* head, const lmloss_targets* targets,
+    const lmloss_loss_options* options, const lmloss_tensor* grad_loss, const lmloss_tensor* loss,
+    const lmloss_tensor* lse, const lmloss_grads* grads, size_t* bytes);
+
 /* ---- Teacher top-k ------------------------------------------------------------------------- */
 
 typedef struct lmloss_topk_options {
@@ -335,6 +356,16 @@ LMLOSS_API lmloss_status lmloss_round_grad_weight(lmloss_context* context,
                                                   const lmloss_tensor* grad_weight,
                                                   const lmloss_tensor* tail,
                                                   const lmloss_tensor* scale);
+
+/* lmloss_round_grad_weight of a sum whose step left its last chunk's product in `deferred`
+ * (that step's options.grad_weight_deferred): grad_weight = round(scale * (sum + the product)),
+ * stored by the product itself, each value rounded once. `deferred` is only read; afterwards it may
+ * be freed. */
+LMLOSS_API lmloss_status lmloss_round_grad_weight_deferred(lmloss_context* context,
+                                                           const lmloss_tensor* grad_weight,
+                                                           const lmloss_tensor* tail,
+                                                           const lmloss_tensor* scale,
+                                                           const lmloss_tensor* deferred);
 
 #ifdef __cplusplus
 } /* extern "C" */

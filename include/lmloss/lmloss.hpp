@@ -180,6 +180,15 @@ inline void loss_forward_backward(Context& ctx, const lmloss_head& head,
   check(lmloss_loss_forward_backward(ctx.get(), &head, &targets, &options, &grad_loss, &loss,
                                      &lse, &grads));
 }
+// The bytes of options.grad_weight_deferred the same loss_forward_backward takes (0: none).
+inline size_t loss_deferred_bytes(Context& ctx, const lmloss_head& head, const lmloss_targets& targets,
+                                  const lmloss_loss_options& options, Tensor grad_loss, Tensor loss,
+                                  Tensor lse, const lmloss_grads& grads) {
+  size_t bytes = 0;
+  check(lmloss_loss_deferred_bytes(ctx.get(), &head, &targets, &options, &grad_loss, &loss, &lse,
+                                   &grads, &bytes));
+  return bytes;
+}
 inline void topk(Context& ctx, const lmloss_head& head, const lmloss_topk_options& options,
                  Tensor ids, Tensor probs, Tensor tail = {}) {
   check(lmloss_topk(ctx.get(), &head, &options, &ids, &probs, &tail));
@@ -191,6 +200,12 @@ inline void scale_gradient(Context& ctx, Tensor grad, Tensor scale, Tensor out) 
 // A 16-bit grad_weight's kept f32 sum (options.grad_weight_sum_tail) rounded once into it.
 inline void round_grad_weight(Context& ctx, Tensor grad_weight, Tensor tail, Tensor scale = {}) {
   check(lmloss_round_grad_weight(ctx.get(), &grad_weight, &tail, scale.data ? &scale : nullptr));
+}
+// The same, with the last chunk's product its step left in `deferred` (options.grad_weight_deferred).
+inline void round_grad_weight_deferred(Context& ctx, Tensor grad_weight, Tensor tail, Tensor deferred,
+                                       Tensor scale = {}) {
+  check(lmloss_round_grad_weight_deferred(ctx.get(), &grad_weight, &tail, scale.data ? &scale : nullptr,
+                                          &deferred));
 }
 
 inline lmloss_head logits_head(Tensor logits) {

@@ -178,18 +178,24 @@ def _on_device(device: int):
     return torch.cuda.device(device)
 
 
-def _invoke(call, device: int, *args, **kwargs) -> None:
+def _invoke(call, device: int, *args, **kwargs):
     """An extension call on `device` with its stream and allocator; library errors translated."""
     stream, allocator = device_stream(device)
     try:
         with _on_device(device):
-            call(*args, stream=stream, allocator=allocator, **kwargs)
+            return call(*args, stream=stream, allocator=allocator, **kwargs)
     except _lmloss.Error as e:
         raise _translate(e) from None
 
 
 def invoke_loss(mode: str, device: int, **kwargs) -> None:
     _invoke(_lmloss.loss, device, mode, **kwargs)
+
+
+def invoke_deferred_bytes(device: int, **kwargs) -> int:
+    """lmloss_loss_deferred_bytes: the bytes of grad_weight_deferred that a fused step with these
+    arguments takes (0: it defers nothing)."""
+    return _invoke(_lmloss.loss, device, "deferred_bytes", **kwargs)
 
 
 def invoke_topk(device: int, **kwargs) -> None:

@@ -160,13 +160,19 @@ def _traced(t: Tensor) -> bool:
     return torch.compiler.is_compiling() or type(t) not in (Tensor, torch.nn.Parameter)
 
 
-def _round_weight_sum(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> Tensor:
-    """grad_weight, its kept float32 sum rounded once into it, times scale (None: 1). Eagerly the
-    library is called directly: the custom op's Python dispatch is host time in every backward."""
+def _round_weight_sum(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor],
+                      deferred: Optional[Tensor] = None) -> Tensor:
+    """grad_weight, its kept float32 sum rounded once into it, times scale (None: 1); with
+    `deferred`, the last chunk's product its eager step left there stored over the sum as it is
+    rounded (lmloss_round_grad_weight_deferred). Eagerly the library is called directly: the
+    custom op's Python dispatch is host time in every backward."""
     if scale is not None:
         scale = scale.reshape(()).to(torch.float32).contiguous()
     if _traced(grad_weight):
         _round_grad_weight(grad_weight, tail, scale)
+    elif deferred is not None:
+        _api.invoke_round_grad_weight(_device(None, grad_weight), grad_weight=grad_weight,
+                                      tail=tail, scale=scale, deferred=deferred)
     else:
         _round_grad_weight_impl(grad_weight, tail, scale)
     return grad_weight
@@ -258,6 +264,41 @@ def _(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_ma
                          want_bias, keep_weight_sum=True)[:4]
 
 
+def _fused_step(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask,
+                reduction, ignore_index, normalizer, ce_weight, kd_weight, label_smoothing, z_loss,
+                softcap, temperature, want_logits, want_hidden, want_weight, want_bias,
+                keep_weight_sum, defer=False):
+    """(loss, lse, grad_logits, grad_hidden, grad_weight, grad_bias, grad_weight_sum_tail,
+    deferred): the fused step's outputs, and with `defer` the buffer in which a kept sum's step
+    left its last chunk's dW product for the rounding (lmloss_loss_deferred_bytes), or None where
+    it defers nothing."""
+    lead = logits if logits is not None else hidden
+    compute = _compute_dtype(lead.dtype)
+    n = lead.shape[0]
+    loss = _empty_like_shape(lead, (n,) if reduction == "none" else (), compute)
+    lse = _empty_like_shape(lead, (n,), compute)
+    g_logits, g_hidden, g_weight, g_bias, tail = _grad_buffers(
+        logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias,
+        keep_weight_sum, scaled_later=True)
+    device = _device(logits, hidden)
+    arrays = dict(
+        logits=_rows(logits), hidden=_rows(hidden), weight=_rows(weight), bias=_rows(bias),
+        labels=_rows(labels), teacher_ids=_rows(teacher_ids), teacher_probs=_rows(teacher_probs),
+        token_mask=_rows(token_mask), reduction=reduction, ignore_index=ignore_index,
+        normalizer=normalizer, ce_weight=ce_weight, kd_weight=kd_weight,
+        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+        temperature=temperature, loss=loss, lse=lse, grad_logits=_present(g_logits),
+        grad_hidden=_present(g_hidden), grad_weight=_present(g_weight),
+        grad_bias=_present(g_bias), grad_weight_sum_tail=_present(tail))
+    deferred = None
+    if defer and tail.numel() > 0 and device >= 0:
+        deferred_bytes = _api.invoke_deferred_bytes(device, **arrays)
+        if deferred_bytes > 0:
+            deferred = torch.empty(deferred_bytes, dtype=torch.uint8, device=lead.device)
+    _run("forward_backward", device, grad_weight_deferred=deferred, **arrays)
+    return loss, lse, g_logits, g_hidden, g_weight, g_bias, tail, deferred
+
+
 def _loss_forward_backward_impl(
     logits: Optional[Tensor], hidden: Optional[Tensor], weight: Optional[Tensor],
     bias: Optional[Tensor], labels: Optional[Tensor], teacher_ids: Optional[Tensor],
@@ -269,26 +310,12 @@ def _loss_forward_backward_impl(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, grad_logits, grad_hidden, grad_weight, grad_bias, grad_weight_sum_tail) in one
     pass, the gradients for an upstream gradient of 1 (reduction mean or sum); a 16-bit weight's
-    gradient left as its kept float32 sum with keep_weight_sum (see _grad_buffers)."""
-    lead = logits if logits is not None else hidden
-    compute = _compute_dtype(lead.dtype)
-    n = lead.shape[0]
-    loss = _empty_like_shape(lead, (n,) if reduction == "none" else (), compute)
-    lse = _empty_like_shape(lead, (n,), compute)
-    g_logits, g_hidden, g_weight, g_bias, tail = _grad_buffers(
-        logits, hidden, weight, bias, want_logits, want_hidden, want_weight, want_bias,
-        keep_weight_sum, scaled_later=True)
-    _run("forward_backward", _device(logits, hidden), logits=_rows(logits),
-         hidden=_rows(hidden), weight=_rows(weight), bias=_rows(bias), labels=_rows(labels),
-         teacher_ids=_rows(teacher_ids), teacher_probs=_rows(teacher_probs),
-         token_mask=_rows(token_mask), reduction=reduction, ignore_index=ignore_index,
-         normalizer=normalizer, ce_weight=ce_weight, kd_weight=kd_weight,
-         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-         temperature=temperature, loss=loss, lse=lse,
-         grad_logits=_present(g_logits), grad_hidden=_present(g_hidden),
-         grad_weight=_present(g_weight), grad_bias=_present(g_bias),
-         grad_weight_sum_tail=_present(tail))
-    return loss, lse, g_logits, g_hidden, g_weight, g_bias, tail
+    gradient left as its kept float32 sum with keep_weight_sum (see _grad_buffers). Traced, the
+    step defers nothing: a buffer held from forward to backward is not an output of the op."""
+    return _fused_step(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs,
+                       token_mask, reduction, ignore_index, normalizer, ce_weight, kd_weight,
+                       label_smoothing, z_loss, softcap, temperature, want_logits, want_hidden,
+                       want_weight, want_bias, keep_weight_sum)[:7]
 
 
 _loss_forward_backward = torch.library.custom_op("lmloss::loss_forward_backward", mutates_args=())(
@@ -314,6 +341,10 @@ def _(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_ma
 # default); False gives it a float32 tensor of its own: for benchmarks that set the two side by
 # side.
 _KEEP_WEIGHT_SUM = True
+# Whether eager steps that keep it leave their last chunk's dW product to the rounding in backward
+# where the library can (lmloss_loss_deferred_bytes; the default); False adds it into the sum in
+# the step, for benchmarks and tests that set the two side by side.
+_DEFER_WEIGHT_PRODUCT = True
 
 _N_HEAD_TARGETS = 8  # logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_mask
 _N_OPTIONS = 9       # reduction ... temperature
@@ -356,8 +387,9 @@ def _setup_forward_backward(ctx, inputs, output):
     ctx.dtypes = tuple(None if t is None else t.dtype for t in head)
     ctx.want = inputs[_N_HEAD_TARGETS + _N_OPTIONS:_N_HEAD_TARGETS + _N_OPTIONS + 4]
     ctx.weight_sum_rounded = False
-    ctx.save_for_backward(*output[2:])
-    ctx.mark_non_differentiable(*output[1:])
+    ctx.deferred = None  # an eager step's deferred dW product (_eager_forward_backward)
+    ctx.save_for_backward(*output[2:7])
+    ctx.mark_non_differentiable(*output[1:7])
     # Gradients of the outputs besides the loss are never used; materialised, they would be zero
     # tensors of the gradients' sizes (a float32 dW of 2 GiB at V 128256, H 4096) made in backward.
     ctx.set_materialize_grads(False)
@@ -449,10 +481,11 @@ def _backward_forward_backward(ctx, grad_loss, *_grads_of_aux):
             # weight.grad with no float32 copy beside it. In place, so once per forward; a
             # backward that builds a graph takes PyTorch's product after the rounding.
             ctx.weight_sum_rounded = True
+            deferred, ctx.deferred = ctx.deferred, None  # freed once stored
             if grad_loss.requires_grad:
-                out[i] = torch.mul(_round_weight_sum(grads[i], tail, None), grad_loss)
+                out[i] = torch.mul(_round_weight_sum(grads[i], tail, None, deferred), grad_loss)
             else:
-                out[i] = _round_weight_sum(grads[i], tail, grad_loss)
+                out[i] = _round_weight_sum(grads[i], tail, grad_loss, deferred)
         else:
             out[i] = _scaled_to(grads[i], grad_loss, ctx.dtypes[i])
     return tuple(out)
@@ -481,9 +514,21 @@ def _eager_function(name, impl, setup_context, backward):
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
+class _EagerForwardBackward(torch.autograd.Function):
+    """The fused step as _loss_forward_backward, its last chunk's dW product deferred to the
+    rounding in backward where the library defers it (held on the context until then)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _fused_step(*inputs, defer=_DEFER_WEIGHT_PRODUCT)
+        _setup_forward_backward(ctx, inputs, output)
+        ctx.deferred = output[7]
+        return output[:7]
+
+    backward = staticmethod(_backward_forward_backward)
+
+
 _EagerForward = _eager_function("_EagerForward", _loss_forward_impl, _setup_forward, _backward_forward)
-_EagerForwardBackward = _eager_function("_EagerForwardBackward", _loss_forward_backward_impl,
-                                        _setup_forward_backward, _backward_forward_backward)
 
 
 # ---- The losses ------------------------------------------------------------------------------

@@ -349,18 +349,20 @@ lmloss_reduction reduction_from(const std::string& name) {
 
 // ---- The calls -----------------------------------------------------------------------------
 
-// mode: "forward", "backward" or "forward_backward". Absent arrays are None.
-void loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb::handle weight,
+// mode: "forward", "backward" or "forward_backward", or "deferred_bytes": what a fused step with
+// these arrays takes as grad_weight_deferred (lmloss_loss_deferred_bytes), returned; the calls
+// return 0. Absent arrays are None.
+size_t loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb::handle weight,
                nb::handle bias, nb::handle labels, nb::handle teacher_ids,
                nb::handle teacher_probs, nb::handle token_mask, const std::string& reduction,
                int64_t ignore_index, double normalizer, double ce_weight, double kd_weight,
                double label_smoothing, double z_loss, double softcap, double temperature,
                bool accumulate_grad_weight, bool accumulate_grad_bias, nb::handle grad_weight_sum_tail,
-               nb::handle grad_loss,
+               nb::handle grad_weight_deferred, nb::handle grad_loss,
                nb::handle loss, nb::handle lse, nb::handle grad_logits, nb::handle grad_hidden,
                nb::handle grad_weight, nb::handle grad_bias, uintptr_t stream,
                nb::handle allocator) {
-  if (mode != "forward" && mode != "backward" && mode != "forward_backward")
+  if (mode != "forward" && mode != "backward" && mode != "forward_backward" && mode != "deferred_bytes")
     raise(LMLOSS_ERROR_INVALID_ARGUMENT, "mode: unknown \"" + mode + "\"");
   lmloss::LossOptions options;
   options.reduction = reduction_from(reduction);
@@ -385,8 +387,10 @@ void loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb
        v_g_hidden = describe(grad_hidden, "grad_hidden", true),
        v_g_weight = describe(grad_weight, "grad_weight", true),
        v_g_bias = describe(grad_bias, "grad_bias", true),
-       v_sum_tail = describe(grad_weight_sum_tail, "grad_weight_sum_tail", true);
+       v_sum_tail = describe(grad_weight_sum_tail, "grad_weight_sum_tail", true),
+       v_deferred = describe(grad_weight_deferred, "grad_weight_deferred", true);
   options.grad_weight_sum_tail = v_sum_tail.tensor;
+  options.grad_weight_deferred = v_deferred.tensor;
 
   const lmloss_head head{v_logits.tensor, v_hidden.tensor, v_weight.tensor, v_bias.tensor};
   const lmloss_targets targets{v_labels.tensor, v_ids.tensor, v_probs.tensor, v_mask.tensor};
@@ -398,7 +402,10 @@ void loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb
   // The arrays are held by the views above; the GIL is free for other Python threads while
   // the library works (an allocator callback takes it back).
   nb::gil_scoped_release release;
-  if (mode == "forward") {
+  if (mode == "deferred_bytes") {
+    return lmloss::loss_deferred_bytes(ctx, head, targets, options, v_grad_loss.tensor, v_loss.tensor,
+                                       v_lse.tensor, grads);
+  } else if (mode == "forward") {
     lmloss::loss_forward(ctx, head, targets, options, v_loss.tensor, v_lse.tensor);
   } else if (mode == "backward") {
     lmloss::loss_backward(ctx, head, targets, options, v_lse.tensor, v_grad_loss.tensor, grads);
@@ -406,6 +413,7 @@ void loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb
     lmloss::loss_forward_backward(ctx, head, targets, options, v_grad_loss.tensor, v_loss.tensor,
                                   v_lse.tensor, grads);
   }
+  return 0;
 }
 
 void topk_call(nb::handle logits, nb::handle hidden, nb::handle weight, nb::handle bias,
@@ -433,13 +441,17 @@ void scale_gradient_call(nb::handle grad, nb::handle scale, nb::handle out, uint
   lmloss::scale_gradient(ctx, v_grad.tensor, v_scale.tensor, v_out.tensor);
 }
 
-void round_grad_weight_call(nb::handle grad_weight, nb::handle tail, nb::handle scale, uintptr_t stream,
-                            nb::handle allocator) {
+// With `deferred` (not None): lmloss_round_grad_weight_deferred.
+void round_grad_weight_call(nb::handle grad_weight, nb::handle tail, nb::handle scale, nb::handle deferred,
+                            uintptr_t stream, nb::handle allocator) {
   View v_grad = describe(grad_weight, "grad_weight", true), v_tail = describe(tail, "tail"),
-       v_scale = describe(scale, "scale");
+       v_scale = describe(scale, "scale"), v_deferred = describe(deferred, "deferred");
   lmloss::Context& ctx = context_for(device_key(v_grad.tensor), stream, allocator);
   nb::gil_scoped_release release;
-  lmloss::round_grad_weight(ctx, v_grad.tensor, v_tail.tensor, v_scale.tensor);
+  if (v_deferred.tensor.data)
+    lmloss::round_grad_weight_deferred(ctx, v_grad.tensor, v_tail.tensor, v_deferred.tensor, v_scale.tensor);
+  else
+    lmloss::round_grad_weight(ctx, v_grad.tensor, v_tail.tensor, v_scale.tensor);
 }
 
 }  // namespace
@@ -466,7 +478,7 @@ NB_MODULE(_lmloss, m) {
         nb::arg("label_smoothing"), nb::arg("z_loss"), nb::arg("softcap"),
         nb::arg("temperature"), nb::arg("accumulate_grad_weight") = false,
         nb::arg("accumulate_grad_bias") = false, nb::arg("grad_weight_sum_tail").none() = nb::none(),
-        nb::arg("grad_loss").none() = nb::none(),
+        nb::arg("grad_weight_deferred").none() = nb::none(), nb::arg("grad_loss").none() = nb::none(),
         nb::arg("loss").none() = nb::none(), nb::arg("lse").none() = nb::none(), nb::arg("grad_logits").none() = nb::none(),
         nb::arg("grad_hidden").none() = nb::none(), nb::arg("grad_weight").none() = nb::none(),
         nb::arg("grad_bias").none() = nb::none(), nb::arg("stream") = 0, nb::arg("allocator").none() = nb::none());
@@ -480,7 +492,8 @@ NB_MODULE(_lmloss, m) {
         nb::arg("out"), nb::arg("stream") = 0, nb::arg("allocator").none() = nb::none());
 
   m.def("round_grad_weight", &round_grad_weight_call, nb::kw_only(), nb::arg("grad_weight"), nb::arg("tail"),
-        nb::arg("scale").none() = nb::none(), nb::arg("stream") = 0, nb::arg("allocator").none() = nb::none());
+        nb::arg("scale").none() = nb::none(), nb::arg("deferred").none() = nb::none(), nb::arg("stream") = 0,
+        nb::arg("allocator").none() = nb::none());
 
   // Waits for the device's queued work of this thread's context and reports an id found out of
   // range there (device -1: the CPU, where ids are checked before anything is written).

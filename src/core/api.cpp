@@ -1,6 +1,7 @@
 // The C ABI: contexts, the error channel, and the public calls. Each call validates its
 // arguments (core/validate.cpp), asks the backend of the tensors' device to check what only it
 // can, and only then runs. No exception crosses this file's functions.
+#include <algorithm>
 #include <cstring>
 #include <new>
 #include <string>
@@ -68,11 +69,33 @@ lmloss_status run_loss(lmloss_context* context, Mode mode, const lmloss_head* he
     LMLOSS_CHECK(validate_loss(mode, head, targets, options, loss, lse, grad_loss, grads, call));
     Backend* backend = nullptr;
     LMLOSS_CHECK(choose_backend(call.device_type, backend));
+    if (const lmloss_tensor& deferred = call.options.grad_weight_deferred; deferred.data) {
+      size_t expected = 0;
+      if (call.n_tokens > 0) LMLOSS_CHECK(backend->deferred_bytes(*context, call, expected));
+      if (size_t(deferred.shape[0]) != expected)
+        return fail(LMLOSS_ERROR_INVALID_ARGUMENT,
+                    "options.grad_weight_deferred: has " + std::to_string(deferred.shape[0]) +
+                        " bytes; lmloss_loss_deferred_bytes gives " + std::to_string(expected) + " for this call" +
+                        (expected == 0 ? " (nothing is deferred: give none)" : ""));
+    }
     if (call.n_tokens == 0) {
       LMLOSS_CHECK(run_without_tokens(*backend, *context, call));
       return succeed();
     }
     LMLOSS_CHECK(backend->check(*context, call));
+    LMLOSS_CHECK(backend->run(*context, call));
+    return succeed();
+  });
+}
+
+lmloss_status round_weight_sum(lmloss_context* context, const lmloss_tensor* grad_weight, const lmloss_tensor* tail,
+                               const lmloss_tensor* scale, const lmloss_tensor* deferred) {
+  return guarded([&] {
+    if (!context) return fail(LMLOSS_ERROR_INVALID_ARGUMENT, "context: is NULL");
+    WeightSumCall call;
+    LMLOSS_CHECK(validate_round(grad_weight, tail, scale, deferred, call));
+    Backend* backend = nullptr;
+    LMLOSS_CHECK(choose_backend(call.device_type, backend));
     LMLOSS_CHECK(backend->run(*context, call));
     return succeed();
   });
@@ -223,6 +246,31 @@ lmloss_status lmloss_loss_forward_backward(lmloss_context* context, const lmloss
   return run_loss(context, Mode::forward_backward, head, targets, options, loss, lse, grad_loss, grads);
 }
 
+lmloss_status lmloss_loss_deferred_bytes(lmloss_context* context, const lmloss_head* head,
+                                         const lmloss_targets* targets, const lmloss_loss_options* options,
+                                         const lmloss_tensor* grad_loss, const lmloss_tensor* loss,
+                                         const lmloss_tensor* lse, const lmloss_grads* grads, size_t* bytes) {
+  return guarded([&] {
+    if (!context) return fail(LMLOSS_ERROR_INVALID_ARGUMENT, "context: is NULL");
+    if (!bytes) return fail(LMLOSS_ERROR_INVALID_ARGUMENT, "bytes: is NULL");
+    // The step's own arguments, as it will check them, without a buffer of its own yet.
+    lmloss_loss_options unbuffered = lmloss_loss_options_default();
+    if (options) {  // as far as the caller's struct_size reaches (validate_loss checks it)
+      std::memcpy(static_cast<void*>(&unbuffered), options, std::min<size_t>(options->struct_size, sizeof(unbuffered)));
+      unbuffered.grad_weight_deferred = {};
+    }
+    LossCall call;
+    LMLOSS_CHECK(validate_loss(Mode::forward_backward, head, targets, options ? &unbuffered : nullptr, loss, lse,
+                               grad_loss, grads, call));
+    Backend* backend = nullptr;
+    LMLOSS_CHECK(choose_backend(call.device_type, backend));
+    size_t taken = 0;
+    if (call.n_tokens > 0) LMLOSS_CHECK(backend->deferred_bytes(*context, call, taken));
+    *bytes = taken;
+    return succeed();
+  });
+}
+
 lmloss_status lmloss_topk(lmloss_context* context, const lmloss_head* head,
                           const lmloss_topk_options* options, const lmloss_tensor* ids,
                           const lmloss_tensor* probs, const lmloss_tensor* tail) {
@@ -254,15 +302,14 @@ lmloss_status lmloss_scale_gradient(lmloss_context* context, const lmloss_tensor
 
 lmloss_status lmloss_round_grad_weight(lmloss_context* context, const lmloss_tensor* grad_weight,
                                        const lmloss_tensor* tail, const lmloss_tensor* scale) {
-  return guarded([&] {
-    if (!context) return fail(LMLOSS_ERROR_INVALID_ARGUMENT, "context: is NULL");
-    WeightSumCall call;
-    LMLOSS_CHECK(validate_round(grad_weight, tail, scale, call));
-    Backend* backend = nullptr;
-    LMLOSS_CHECK(choose_backend(call.device_type, backend));
-    LMLOSS_CHECK(backend->run(*context, call));
-    return succeed();
-  });
+  return round_weight_sum(context, grad_weight, tail, scale, nullptr);
+}
+
+lmloss_status lmloss_round_grad_weight_deferred(lmloss_context* context, const lmloss_tensor* grad_weight,
+                                                const lmloss_tensor* tail, const lmloss_tensor* scale,
+                                                const lmloss_tensor* deferred) {
+  if (!deferred) return fail(LMLOSS_ERROR_INVALID_ARGUMENT, "deferred: is NULL");
+  return round_weight_sum(context, grad_weight, tail, scale, deferred);
 }
 
 }  // extern "C"

@@ -81,6 +81,8 @@ struct WeightSumCall {
   lmloss_tensor grad_weight{};  // (vocab, hidden) bf16 or f16
   lmloss_tensor tail{};         // (vocab - split, hidden) f32
   lmloss_tensor scale{};        // one f32, optional (1)
+  lmloss_tensor deferred{};     // u8: a step's last chunk's dW product, optional (see
+                                // lmloss_round_grad_weight_deferred)
 
   int64_t vocab = 0;
   int64_t hidden = 0;
@@ -128,6 +130,8 @@ class Backend {
   virtual lmloss_status check(lmloss_context& context, const LossCall& call) = 0;
   virtual lmloss_status check(lmloss_context& context, const TopkCall& call) = 0;
   virtual lmloss_status run(lmloss_context& context, const LossCall& call) = 0;
+  // The bytes of options.grad_weight_deferred that this fused step takes (0: it defers nothing).
+  virtual lmloss_status deferred_bytes(lmloss_context& context, const LossCall& call, size_t& bytes) = 0;
   virtual lmloss_status run(lmloss_context& context, const TopkCall& call) = 0;
   virtual lmloss_status run(lmloss_context& context, const ScaleCall& call) = 0;
   virtual lmloss_status run(lmloss_context& context, const WeightSumCall& call) = 0;

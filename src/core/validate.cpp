@@ -247,18 +247,32 @@ lmloss_status read_scale(const lmloss_tensor* scale, lmloss_dtype product, lmlos
   return expect_dtype(out, "scale", product, product, dtype_name(product));
 }
 
-// lmloss_loss_options as 0.1 had it, before grad_weight_sum_tail: still accepted, the tail absent.
+// lmloss_loss_options as 0.1 and 0.2 had them, before grad_weight_sum_tail and before
+// grad_weight_deferred: still accepted, the later fields absent.
 constexpr size_t kLossOptionsSizeV01 = offsetof(lmloss_loss_options, grad_weight_sum_tail);
+constexpr size_t kLossOptionsSizeV02 = offsetof(lmloss_loss_options, grad_weight_deferred);
 
 // The caller's options, read only as far as its struct_size says, then checked.
 lmloss_status read_options(const lmloss_loss_options& given, lmloss_loss_options& o) {
-  if (given.struct_size != sizeof(lmloss_loss_options) && given.struct_size != kLossOptionsSizeV01)
+  if (given.struct_size != sizeof(lmloss_loss_options) && given.struct_size != kLossOptionsSizeV01 &&
+      given.struct_size != kLossOptionsSizeV02)
     return invalid("options.struct_size", "must be sizeof(lmloss_loss_options); initialise with LMLOSS_LOSS_OPTIONS_INIT");
   o = lmloss_loss_options_default();
   std::memcpy(static_cast<void*>(&o), &given, given.struct_size);
   o.struct_size = sizeof(lmloss_loss_options);
   LMLOSS_CHECK(check_options(o));
+  LMLOSS_CHECK(check_tensor(o.grad_weight_deferred, "options.grad_weight_deferred"));
   return check_tensor(o.grad_weight_sum_tail, "options.grad_weight_sum_tail");
+}
+
+// A buffer for a step's deferred dW product (options.grad_weight_deferred): u8 bytes of its own,
+// aligned for the products that read it. Its size is the backend's to check.
+lmloss_status check_deferred(const lmloss_tensor& deferred, const char* name) {
+  LMLOSS_CHECK(expect_dtype(deferred, name, LMLOSS_U8, LMLOSS_U8, "u8"));
+  if (deferred.ndim != 1 || deferred.shape[0] < 1)
+    return invalid(name, "expected a shape (bytes) as lmloss_loss_deferred_bytes gives it, got " + shape_string(deferred));
+  if (reinterpret_cast<uintptr_t>(deferred.data) % 256 != 0) return invalid(name, "its data must be 256-byte aligned");
+  return LMLOSS_SUCCESS;
 }
 
 // A 16-bit grad_weight's f32 sum kept in its own bytes (rows [0, split)) and in the caller's tail
@@ -417,6 +431,12 @@ lmloss_status validate_loss(Mode mode, const lmloss_head* head, const lmloss_tar
   } else {
     sum_tail = none;  // a forward's options may be its backward's: the tail is not for it
   }
+  lmloss_tensor& deferred = call.options.grad_weight_deferred;
+  if (deferred.data) {
+    if (mode != Mode::forward_backward || !sum_tail.data)
+      return invalid("options.grad_weight_deferred", "is for a fused step with a kept sum (options.grad_weight_sum_tail)");
+    LMLOSS_CHECK(check_deferred(deferred, "options.grad_weight_deferred"));
+  }
 
   DeviceCheck device;
   LMLOSS_CHECK(device.add(call.head.logits, "head.logits"));
@@ -434,6 +454,7 @@ lmloss_status validate_loss(Mode mode, const lmloss_head* head, const lmloss_tar
   LMLOSS_CHECK(device.add(call.grads.grad_hidden, "grads.grad_hidden"));
   LMLOSS_CHECK(device.add(call.grads.grad_weight, "grads.grad_weight"));
   LMLOSS_CHECK(device.add(sum_tail, "options.grad_weight_sum_tail"));
+  LMLOSS_CHECK(device.add(deferred, "options.grad_weight_deferred"));
   LMLOSS_CHECK(device.add(call.grads.grad_bias, "grads.grad_bias"));
   const bool lse_is_input = mode == Mode::backward;
   const lmloss_tensor& lse_out = lse_is_input ? none : call.lse;
@@ -442,7 +463,8 @@ lmloss_status validate_loss(Mode mode, const lmloss_head* head, const lmloss_tar
   LMLOSS_CHECK(check_no_overlap(
       {{&call.loss, "loss"}, {&lse_out, "lse"}, {&g.grad_logits, "grads.grad_logits"},
        {&g.grad_hidden, "grads.grad_hidden"}, {&g.grad_weight, "grads.grad_weight"},
-       {&sum_tail, "options.grad_weight_sum_tail"}, {&g.grad_bias, "grads.grad_bias"}},
+       {&sum_tail, "options.grad_weight_sum_tail"}, {&deferred, "options.grad_weight_deferred"},
+       {&g.grad_bias, "grads.grad_bias"}},
       {{&call.head.logits, "head.logits"}, {&call.head.hidden, "head.hidden"}, {&call.head.weight, "head.weight"},
        {&call.head.bias, "head.bias"}, {&call.targets.labels, "targets.labels"},
        {&call.targets.teacher_ids, "targets.teacher_ids"}, {&call.targets.teacher_probs, "targets.teacher_probs"},
@@ -541,8 +563,14 @@ lmloss_status validate_scale(const lmloss_tensor* grad, const lmloss_tensor* sca
 }
 
 lmloss_status validate_round(const lmloss_tensor* grad_weight, const lmloss_tensor* tail, const lmloss_tensor* scale,
-                             WeightSumCall& call) {
+                             const lmloss_tensor* deferred, WeightSumCall& call) {
   call = WeightSumCall{};
+  if (deferred) {
+    if (!deferred->data) return invalid("deferred", "is missing");
+    LMLOSS_CHECK(check_tensor(*deferred, "deferred"));
+    LMLOSS_CHECK(check_deferred(*deferred, "deferred"));
+    call.deferred = *deferred;
+  }
   if (!grad_weight || !grad_weight->data) return invalid("grad_weight", "is missing");
   if (!tail || !tail->data) return invalid("tail", "is missing");
   LMLOSS_CHECK(check_tensor(*grad_weight, "grad_weight"));
@@ -559,7 +587,9 @@ lmloss_status validate_round(const lmloss_tensor* grad_weight, const lmloss_tens
   LMLOSS_CHECK(device.add(call.grad_weight, "grad_weight"));
   LMLOSS_CHECK(device.add(call.tail, "tail"));
   LMLOSS_CHECK(device.add(call.scale, "scale"));
-  LMLOSS_CHECK(check_no_overlap({{&call.grad_weight, "grad_weight"}, {&call.tail, "tail"}}, {{&call.scale, "scale"}}));
+  LMLOSS_CHECK(device.add(call.deferred, "deferred"));
+  LMLOSS_CHECK(check_no_overlap({{&call.grad_weight, "grad_weight"}, {&call.tail, "tail"}},
+                                {{&call.scale, "scale"}, {&call.deferred, "deferred"}}));
   call.device_type = device.type;
   call.device_index = device.index;
   return LMLOSS_SUCCESS;

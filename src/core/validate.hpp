@@ -37,8 +37,9 @@ lmloss_status validate_topk(const lmloss_head* head, const lmloss_topk_options* 
 lmloss_status validate_scale(const lmloss_tensor* grad, const lmloss_tensor* scale, const lmloss_tensor* out,
                              ScaleCall& call);
 
-// Checks the arguments of lmloss_round_grad_weight and fills `call`; `scale` may be null.
+// Checks the arguments of lmloss_round_grad_weight (and of its deferred form, `deferred` given)
+// and fills `call`; `scale` and `deferred` may be null.
 lmloss_status validate_round(const lmloss_tensor* grad_weight, const lmloss_tensor* tail, const lmloss_tensor* scale,
-                             WeightSumCall& call);
+                             const lmloss_tensor* deferred, WeightSumCall& call);
 
 }  // namespace lmloss::core

@@ -780,7 +780,14 @@ class CpuBackend final : public core::Backend {
     return core::succeed();
   }
 
+  lmloss_status deferred_bytes(lmloss_context&, const LossCall&, size_t& bytes) override {
+    bytes = 0;  // the CPU's dW products add into the sum as they come
+    return LMLOSS_SUCCESS;
+  }
+
   lmloss_status run(lmloss_context& context, const WeightSumCall& call) override {
+    if (call.deferred.data)
+      return core::fail(LMLOSS_ERROR_UNSUPPORTED, "deferred: the CPU defers no product (lmloss_loss_deferred_bytes gives 0)");
     round_weight_sum(call, thread_count(context));
     return core::succeed();
   }

@@ -726,6 +726,60 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
   return p;
 }
 
+// A fused step's last dW product left to lmloss_round_grad_weight_deferred (see
+// lmloss_loss_deferred_bytes), in the caller's buffer: the product's alpha (f32, in kDeferredHeader
+// bytes), then the chunk's gradient G (rows, vocab) and its rows of X (rows, hidden), bf16 and
+// dense. G's part is the step's
+// logits workspace for every chunk. The chunk deferred is the first, the tallest, run last: the
+// buffer is its height, which the rounding reads back from the buffer's size.
+constexpr size_t kDeferredHeader = 256;
+
+struct DeferredProduct {
+  int64_t rows = 0, vocab = 0, hidden = 0;
+  size_t bytes() const { return rows > 0 ? kDeferredHeader + 2 * size_t(rows) * size_t(vocab + hidden) : 0; }
+  float* alpha(void* base) const { return static_cast<float*>(base); }
+  char* grad(void* base) const { return static_cast<char*>(base) + kDeferredHeader; }
+  char* x(void* base) const { return grad(base) + 2 * rows * vocab; }
+};
+
+// The store of a deferred product over the kept sum it belongs to (its alpha and beta yet to set).
+WeightGradStoreArgs deferred_store_args(int device, const DeferredProduct& d, void* base, void* grad_weight,
+                                        int64_t split, const lmloss_tensor& tail) {
+  WeightGradStoreArgs s;
+  s.device = device;
+  s.vocab = d.vocab;
+  s.hidden = d.hidden;
+  s.tokens = d.rows;
+  s.grad = d.grad(base);
+  s.grad_ld = d.vocab;
+  s.x = d.x(base);
+  s.x_ld = d.hidden;
+  s.rows = grad_weight;
+  s.split = split;
+  s.tail = static_cast<const float*>(tail.data);
+  s.tail_ld = row_stride(tail);
+  return s;
+}
+
+// What a fused step defers: its first chunk, with a caller's kept sum of a bf16 dW on the
+// statistics product's path over more than one chunk, where the store runs; else nothing.
+DeferredProduct deferred_product(const core::LossCall& call, const LossPlan& plan) {
+  const lmloss_grads& g = call.grads;
+  const lmloss_tensor& tail = call.options.grad_weight_sum_tail;
+  const bool kept_bf16_sum = call.mode == core::Mode::forward_backward && call.linear && g.grad_weight.data &&
+                             tail.data && call.input_dtype == LMLOSS_BF16 && g.grad_weight.dtype == LMLOSS_BF16;
+  if (!kept_bf16_sum || !plan.row_stats_product || plan.separate_grad || plan.sliced ||
+      plan.logits_ld != call.vocab || call.hidden % 8 != 0 || plan_chunk_count(plan, call.n_tokens) < 2)
+    return {};
+  const DeferredProduct d{plan.chunk_rows, call.vocab, call.hidden};
+  // Any address of the buffer's alignment: the probe reads only alignments, and the buffer's parts
+  // are aligned by its layout (vocab and hidden multiples of 8).
+  void* const aligned = reinterpret_cast<void*>(uintptr_t(kDeferredHeader));
+  const WeightGradStoreArgs probe =
+      deferred_store_args(call.device_index, d, aligned, g.grad_weight.data, call.weight_sum_split, tail);
+  return weight_grad_store_supported(probe) ? d : DeferredProduct{};
+}
+
 // The head as the top-k selections recompute single logits from it.
 TopkHead topk_head(const core::TopkCall& call) {
   TopkHead h;
@@ -908,10 +962,15 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   if (plan.sliced) return run_sliced_dx(r, *plan.sliced);
 
   const int64_t R = plan.chunk_rows;
+  // A deferred product's buffer (its size checked against the plan already) holds the logits.
+  void* const deferred_base = call.options.grad_weight_deferred.data;
+  const DeferredProduct deferred = deferred_base ? deferred_product(call, plan) : DeferredProduct{};
+  auto layout = plan.layout;
+  if (deferred_base) layout.pieces[kLogitsChunk] = {};
   Workspace ws(r.context, r.state.device, r.stream);
-  LMLOSS_CHECK(ws.acquire(plan.layout.total(R)));
-  const Piece* pc = plan.layout.pieces;
-  auto piece = [&](int i) -> void* { return pc[i].bytes(R) ? ws.at<void>(plan.layout.offset(i, R)) : nullptr; };
+  LMLOSS_CHECK(ws.acquire(layout.total(R)));
+  const Piece* pc = layout.pieces;
+  auto piece = [&](int i) -> void* { return pc[i].bytes(R) ? ws.at<void>(layout.offset(i, R)) : nullptr; };
   auto* scalars = static_cast<CallScalars*>(piece(kScalars));
   float* token_loss = reduced_loss ? static_cast<float*>(piece(kTokenLoss))
                                    : (loss_wanted ? static_cast<float*>(call.loss.data) : nullptr);
@@ -921,7 +980,8 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   void* side_matmul_ws = piece(kSideMatmulWs);
   const size_t matmul_ws_bytes = plan.matmul_ws;
   float* sparse = static_cast<float*>(piece(kSparse));
-  float* logits_chunk = static_cast<float*>(piece(kLogitsChunk));
+  float* logits_chunk =
+      static_cast<float*>(deferred_base ? static_cast<void*>(deferred.grad(deferred_base)) : piece(kLogitsChunk));
   void* grad_chunk = piece(kGradChunk);
   auto* partials = static_cast<float4*>(piece(kPartials));
   auto* label_s = static_cast<float*>(piece(kLabelS));
@@ -1096,7 +1156,9 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
     terms.scalars = scalars;
     return launch_add_large_entries(large, terms, dw, r.stream);
   };
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+  for (int64_t step = 0; step < chunks; ++step) {
+    const int64_t chunk = deferred_base ? (step + 1) % chunks : step;  // a deferred chunk 0 runs last
+    const bool defers = deferred_base && chunk == 0;
     const auto [row0, rows] = chunk_span(plan, call.n_tokens, chunk);
     a.row0 = row0;
     a.rows = rows;
@@ -1223,12 +1285,13 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       // and gemma2-2b chunk heights; the heuristic's first took 0.1-0.8 ms more per chunk
       // (docs/performance.md, run 28).
       if (gtype != LMLOSS_F32 && s.d_type == LMLOSS_F32) s.preferred_tile = CUBLASLT_MATMUL_TILE_128x160;
-      const bool add = row0 > 0 || accumulate_w;
+      const bool add = step > 0 || accumulate_w;
       const void* x_rows = x_chunk;
       const float* alpha = &scalars->inv_grad_scale;
       if (plan.exp_form) {  // each row of X times its scale
-        LMLOSS_CHECK(launch_scale_rows(x_chunk, call.input_dtype, x_ld, nullptr, row_scale, rows, call.hidden,
-                                       staging_x, call.hidden, call.input_dtype, r.stream));
+        if (!defers)
+          LMLOSS_CHECK(launch_scale_rows(x_chunk, call.input_dtype, x_ld, nullptr, row_scale, rows, call.hidden,
+                                         staging_x, call.hidden, call.input_dtype, r.stream));
         x_rows = staging_x;
         s.lda = call.hidden;
         alpha = &scalars->token_scale;
@@ -1237,7 +1300,15 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         return launch_add_label_rows(label_order, call.n_tokens, label_rows, chunk_rows, x_chunk, x_ld, call.hidden,
                                      dw, r.stream);
       };
-      if (store_dw && chunk == chunks - 1) {  // the sum's other terms first: the store leaves no f32 sum
+      if (defers) {  // the product's X rows (scaled as for it) and alpha beside its G, the label terms into the sum
+        if (rows != deferred.rows) return core::fail(LMLOSS_ERROR_INTERNAL, "deferred dW product: not the tallest chunk");
+        LMLOSS_CHECK(launch_scale_rows(x_chunk, call.input_dtype, x_ld, nullptr, plan.exp_form ? row_scale : nullptr,
+                                       rows, call.hidden, deferred.x(deferred_base), call.hidden, call.input_dtype,
+                                       r.stream));
+        LMLOSS_CUDA_TRY(cudaMemcpyAsync(deferred.alpha(deferred_base), alpha, sizeof(float),
+                                        cudaMemcpyDeviceToDevice, r.stream));
+        if (label_rows.coef) LMLOSS_CHECK(add_label_rows(rows));
+      } else if (store_dw && chunk == chunks - 1) {  // the sum's other terms first: the store leaves no f32 sum
         if (label_rows.coef) LMLOSS_CHECK(add_label_rows(rows));
         if (large.cols) LMLOSS_CHECK(add_large_entries());
         LMLOSS_CHECK(run_weight_grad_store(store, store_ws, r.stream));
@@ -1261,7 +1332,7 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
       }
     }
     if (bias_grad)
-      LMLOSS_CHECK(launch_column_sum(grad, plan.grad_ld, gtype, rows, call.vocab, row0 > 0, scalars,
+      LMLOSS_CHECK(launch_column_sum(grad, plan.grad_ld, gtype, rows, call.vocab, step > 0, scalars,
                                      bias_grad, r.stream));
     if (plan.dx_beside_dw) LMLOSS_CHECK(side.join());
   }
@@ -1614,12 +1685,45 @@ class CudaBackend final : public core::Backend {
                              static_cast<cudaStream_t>(context.stream));
   }
 
+  lmloss_status deferred_bytes(lmloss_context& context, const core::LossCall& call, size_t& bytes) override {
+    bytes = 0;
+    if (call.input_dtype == LMLOSS_F64) return LMLOSS_SUCCESS;  // refused by check()
+    bytes = deferred_product(call, plan_loss(context, call)).bytes();
+    return LMLOSS_SUCCESS;
+  }
+
   lmloss_status run(lmloss_context& context, const core::WeightSumCall& call) override {
     DeviceGuard guard(call.device_index);
+    if (call.deferred.data) return store_deferred(context, call);
     return round_weight_sum(call.grad_weight.data, call.grad_weight.dtype, row_stride(call.grad_weight), call.split,
                             call.vocab, call.hidden,
                             call.tail.data, row_stride(call.tail), static_cast<const float*>(call.scale.data),
                             static_cast<cudaStream_t>(context.stream));
+  }
+
+  // lmloss_round_grad_weight_deferred: the product stored over the kept sum, scaled.
+  lmloss_status store_deferred(lmloss_context& context, const core::WeightSumCall& call) {
+    const size_t bytes = size_t(call.deferred.shape[0]), row_bytes = 2 * size_t(call.vocab + call.hidden);
+    const DeferredProduct d{bytes > kDeferredHeader ? int64_t((bytes - kDeferredHeader) / row_bytes) : 0, call.vocab,
+                            call.hidden};
+    if (d.rows == 0 || d.bytes() != bytes)
+      return core::fail(LMLOSS_ERROR_INVALID_ARGUMENT, "deferred: " + std::to_string(bytes) +
+                                                           " bytes are not a deferred product of this grad_weight");
+    void* base = call.deferred.data;
+    WeightGradStoreArgs store =
+        deferred_store_args(call.device_index, d, base, call.grad_weight.data, call.split, call.tail);
+    if (call.grad_weight.dtype != LMLOSS_BF16 || !weight_grad_store_supported(store))
+      return core::fail(LMLOSS_ERROR_UNSUPPORTED, "deferred: this grad_weight's sum cannot take a deferred product "
+                                                  "here (lmloss_loss_deferred_bytes gave 0 for its step)");
+    const auto stream = static_cast<cudaStream_t>(context.stream);
+    const size_t store_bytes = align256(weight_grad_store_workspace(store));
+    Workspace ws(context, call.device_index, stream);
+    LMLOSS_CHECK(ws.acquire(store_bytes + 2 * sizeof(float)));
+    float* alpha_beta = ws.at<float>(store_bytes);  // the step's alpha and the sum's scale, times the upstream gradient
+    LMLOSS_CHECK(launch_deferred_scalars(d.alpha(base), static_cast<const float*>(call.scale.data), alpha_beta, stream));
+    store.alpha = alpha_beta;
+    store.beta = alpha_beta + 1;
+    return run_weight_grad_store(store, ws.at<void>(0), stream);
   }
 
   lmloss_status zero(lmloss_context& context, const lmloss_tensor& t) override {

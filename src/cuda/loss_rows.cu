@@ -606,6 +606,12 @@ __global__ void reduce_loss_kernel(const float* token_loss, int64_t n, const Cal
   if (threadIdx.x == 0) *loss = sum * scalars->inv_denominator;
 }
 
+__global__ void deferred_scalars_kernel(const float* alpha, const float* scale, float* alpha_beta) {
+  const float s = scale ? *scale : 1.f;
+  alpha_beta[0] = *alpha * s;
+  alpha_beta[1] = s;
+}
+
 template <typename T>
 __global__ void column_sum_kernel(const T* grad, int64_t ld, int64_t rows, int64_t vocab,
                                   bool accumulate, const CallScalars* scalars, float* acc) {
@@ -1027,6 +1033,12 @@ lmloss_status launch_reduce_loss(const float* token_loss, int64_t n_tokens,
                                  const CallScalars* scalars, float* loss, cudaStream_t stream) {
   reduce_loss_kernel<<<1, kReduceThreads, 0, stream>>>(token_loss, n_tokens, scalars, loss);
   LMLOSS_CUDA_LAUNCHED("reduce_loss_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status launch_deferred_scalars(const float* alpha, const float* scale, float* alpha_beta, cudaStream_t stream) {
+  deferred_scalars_kernel<<<1, 1, 0, stream>>>(alpha, scale, alpha_beta);
+  LMLOSS_CUDA_LAUNCHED("deferred_scalars_kernel");
   return LMLOSS_SUCCESS;
 }
 

@@ -211,6 +211,9 @@ lmloss_status launch_prepare(const PrepareArgs& args, cudaStream_t stream);
 lmloss_status launch_reduce_loss(const float* token_loss, int64_t n_tokens,
                                  const CallScalars* scalars, float* loss, cudaStream_t stream);
 
+// A deferred dW product's scalars for its store: alpha_beta = (alpha * scale, scale), scale null: 1.
+lmloss_status launch_deferred_scalars(const float* alpha, const float* scale, float* alpha_beta, cudaStream_t stream);
+
 // Bias gradient: acc[j] (+)= sum over rows of grad[r, j] (times inv_scale), rows in order.
 lmloss_status launch_column_sum(const void* grad, int64_t grad_ld, lmloss_dtype grad_dtype,
                                 int64_t rows, int64_t vocab, bool accumulate,

@@ -1,8 +1,9 @@
 #pragma once
 // The last token chunk's dW product stored straight into a 16-bit dW over the f32 sum it adds
 // to (LMLOSS_SUM_GRAD_WEIGHT_IN_F32's rows in place and tail), in place of that product into the
-// sum and the rounding pass after it: dW = round(alpha * X^T G + sum), the sum read in f32
-// as the product's C. sm_90a only (CUTLASS takes C and D of different types; cuBLASLt does not).
+// sum and the rounding pass after it: dW = round(alpha * X^T G + beta * sum), the sum read in
+// f32 as the product's C. Also lmloss_round_grad_weight_deferred's store, of a product a step left
+// for it, beta the upstream gradient. sm_90a only (CUTLASS takes C and D of different types; cuBLASLt does not).
 //
 // bf16 row r of dW lands on the f32 row r / 2 held in its bytes, so a product over rows [a, b)
 // with b <= 2a stores over no row it reads. The rows go in launches over doubling ranges [R, 2R),
@@ -27,6 +28,7 @@ struct WeightGradStoreArgs {
   const void* x = nullptr;                    // X (tokens, hidden) bf16, row stride x_ld
   int64_t x_ld = 0;
   const float* alpha = nullptr;               // on the device: scales the product
+  const float* beta = nullptr;                // on the device: scales the sum; null: 1
   void* rows = nullptr;                       // dW (vocab, hidden) bf16, dense; f32 rows [0, split) of
   int64_t split = 0;                          //   the sum in its bytes (row r at byte 4 r hidden)
   const float* tail = nullptr;                // the sum's rows [split, vocab), row stride tail_ld

@@ -545,6 +545,48 @@ def test_bf16_parity_large(shape):
 
 
 @needs_cuda
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cuda_eager_step_defers_its_last_weight_product(smoothing, monkeypatch):
+    # A bf16 weight's kept sum over several token chunks: the eager step leaves its last chunk's
+    # dW product to backward, which stores it over the sum with the upstream gradient (0.37 here)
+    # as the scale. The gradient is the one the step gives without deferring, rounded once from
+    # (nearly) the same float32 sum, and meets the float32 reference.
+    sizes = []
+    query = lmloss._api.invoke_deferred_bytes
+    monkeypatch.setattr(lmloss._api, "invoke_deferred_bytes",
+                        lambda *a, **k: sizes.append(query(*a, **k)) or sizes[-1])
+    torch.manual_seed(3)
+    n, h, v = 2000, 256, 4000
+    x = torch.randn(n, h, device="cuda").bfloat16()
+    w = (torch.randn(v, h, device="cuda") / h ** 0.5 * 2).bfloat16()
+    y = torch.randint(0, v, (n,), device="cuda")
+    y[::9] = -100
+
+    def grads(defer):
+        monkeypatch.setattr(lt, "_DEFER_WEIGHT_PRODUCT", defer)
+        xs, ws = leaf(x), leaf(w)
+        (lt.linear_cross_entropy(xs, ws, y, label_smoothing=smoothing) * 0.37).backward()
+        return xs.grad, ws.grad
+
+    before = lmloss.workspace_budget()
+    lmloss.set_workspace_budget(v * 2 * 600)  # about 600 tokens a chunk
+    try:
+        dx, dw = grads(True)
+        assert sizes and sizes[-1] > 0, "the step deferred nothing"
+        dx_plain, dw_plain = grads(False)
+    finally:
+        lmloss.set_workspace_budget(before)
+    assert torch.equal(dx, dx_plain)
+    differ = (dw != dw_plain).float().mean().item()
+    assert differ <= 0.01, f"{differ:.3g} of dW differs from the step that adds every product"
+    x32, w32 = leaf(x.float()), leaf(w.float())
+    ref = F.cross_entropy(x32 @ w32.T, y, label_smoothing=smoothing) * 0.37
+    rdx, rdw = torch.autograd.grad(ref, (x32, w32))
+    assert_close(dx, rdx, "bfloat16", "grad_hidden")
+    assert_close(dw, rdw, "bfloat16", "grad_weight")
+
+
+@needs_cuda
 def test_cuda_runs_on_the_current_stream_without_host_sync():
     x, w, b, y = linear_inputs(dtype=torch.float32, device="cuda", batch=(64, 32), v=5000, h=64)
     with torch.no_grad():  # no graph of the default stream's kept alive for the side stream's backward

@@ -56,6 +56,7 @@ struct StoreGemm {
         {{}, c, {c_ld, Int<1>{}, int64_t(0)}, static_cast<Element*>(d), {a.hidden, Int<1>{}, int64_t(0)}}};
     args.epilogue.thread.alpha_ptr = a.alpha;
     args.epilogue.thread.beta = 1.f;
+    args.epilogue.thread.beta_ptr = a.beta;  // read in place of beta when set
     args.hw_info.device_id = a.device;
     return args;
   }
