@@ -691,7 +691,9 @@ class ModesBench {
   // ends with lmloss_round_grad_weight; the tail follows the rows in place where the vocabulary
   // allows (one f32 matrix, one product a chunk, as lmloss.torch places it), unless kept past a
   // gap after them (the library's products batched over both parts) or apart: a buffer of its own
-  // (two products a chunk where it lies below, else batched).
+  // (two products a chunk where it lies below, else batched). input-kept-deferred: as input-kept,
+  // the last chunk's product left to lmloss_round_grad_weight_deferred where the library defers it
+  // (its buffer counted in the peak).
   static constexpr size_t kDwTailGap = 256;
   struct DwForm {
     const char* name;
@@ -699,6 +701,7 @@ class ModesBench {
     uint32_t flags;
     enum class Sum { none, kept, kept_gap, kept_apart } sum;
     const char* note;  // for the header line
+    bool defer;  // input-kept-deferred (unset: false)
   };
   static constexpr DwForm kDwForms[] = {
       {"f32", false, 0u, DwForm::Sum::none, ""},
@@ -711,10 +714,14 @@ class ModesBench {
        ", dW in the input dtype, its f32 sum kept with a tail past a gap after it, rounded by the caller"},
       {"input-kept-apart", true, 0u, DwForm::Sum::kept_apart,
        ", dW in the input dtype, its f32 sum kept with a tail apart, rounded by the caller"},
+      {"input-kept-deferred", true, 0u, DwForm::Sum::kept,
+       ", dW in the input dtype, its f32 sum kept with a tail after it, the last product deferred to the rounding",
+       true},
   };
   void set_dw_form(const DwForm& form) {
     dw_dtype_ = form.input_dtype ? dt_ : LMLOSS_F32;
     dw_flags_ = form.flags;
+    defer_dw_ = form.defer;
     if (form.sum == DwForm::Sum::none) return;
     const int64_t tail_rows = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_);
     if ((form.sum == DwForm::Sum::kept || form.sum == DwForm::Sum::kept_gap) && 2 * tail_rows == v_) {
@@ -1195,13 +1202,28 @@ class ModesBench {
                                       want_dw ? dev_matrix(dw_.ptr, dw_dtype_, v_, h_) : none);
     const lmloss_tensor loss = dev_scalar(loss_.ptr, LMLOSS_F32);
     const bool forward_only = mode == "forward";
+    DeviceBuffer deferred;
+    if (kept_sum && defer_dw_) {
+      size_t bytes = 0;
+      lmloss::check(lmloss_loss_deferred_bytes(ctx.get(), &head, &targets, &o, &none, &loss, &none, &g, &bytes));
+      std::printf("# %s: %zu bytes of the last dW product deferred\n", mode.c_str(), bytes);
+      if (bytes > 0) {
+        deferred = DeviceBuffer(bytes);
+        o.grad_weight_deferred = lmloss_tensor_1d(deferred.ptr, LMLOSS_U8, int64_t(bytes));
+        o.grad_weight_deferred.device_type = LMLOSS_DEVICE_CUDA;
+      }
+    }
     const double ms = time(
         [&] {
           if (forward_only) {
             lmloss::check(lmloss_loss_forward(ctx.get(), &head, &targets, &o, &loss, &none));
           } else {
             forward_backward(ctx, head, targets, o, loss, g);
-            if (kept_sum) lmloss::check(lmloss_round_grad_weight(ctx.get(), &g.grad_weight, &sum_tail, nullptr));
+            if (deferred.ptr)
+              lmloss::check(lmloss_round_grad_weight_deferred(ctx.get(), &g.grad_weight, &sum_tail, nullptr,
+                                                              &o.grad_weight_deferred));
+            else if (kept_sum)
+              lmloss::check(lmloss_round_grad_weight(ctx.get(), &g.grad_weight, &sum_tail, nullptr));
           }
         },
         floor_count);
@@ -1210,7 +1232,7 @@ class ModesBench {
     cuda_check(cudaMemcpy(&l, loss_.ptr, 4, cudaMemcpyDeviceToHost), "loss");
     if (!std::isfinite(l)) throw std::runtime_error(mode + ": the loss is not finite");
     return {mode, double(ctx.workspace_budget()) / double(1 << 30), ms, last_floor_ms_,
-            double(ctx.peak_workspace()) / double(1 << 30), repeats_, last_clocks_};
+            double(ctx.peak_workspace() + deferred.bytes) / double(1 << 30), repeats_, last_clocks_};
   }
 
   // The teacher of mode `distillK`: its top k for every token, made once per k: distinct ids,
@@ -1333,6 +1355,7 @@ class ModesBench {
   bool tune_ = false;  // lmloss_context_set_product_tuning on the library's contexts
   lmloss_dtype dw_dtype_ = LMLOSS_F32;
   uint32_t dw_flags_ = 0;  // LMLOSS_SUM_GRAD_WEIGHT_IN_F32 for --dw-dtype input-once
+  bool defer_dw_ = false;  // --dw-dtype input-kept-deferred
   DeviceBuffer dw_sum_tail_;         // --dw-dtype input-kept-apart: the kept f32 sum's tail
   void* dw_sum_tail_at_ = nullptr;   // --dw-dtype input-kept*: where that tail is
 };
@@ -1393,7 +1416,7 @@ int run(int argc, char** argv) {
     if (dw_dtype == form.name) dw_form = &form;
   if (!dw_form)
     throw std::invalid_argument(
-        "--dw-dtype takes f32, input, input-once, input-kept, input-kept-gap or input-kept-apart");
+        "--dw-dtype takes f32, input, input-once, input-kept, input-kept-gap, input-kept-apart or input-kept-deferred");
   bench.set_dw_form(*dw_form);
   bench.set_rest_ms(rest_ms);
   if (clocks && !bench.sample_clocks()) std::fprintf(stderr, "# --clocks: NVML did not answer; no clocks\n");

@@ -447,11 +447,21 @@ def _linear_grads(x: Array, w: Array, b: Optional[Array], n: int, grad: bool,
     )
 
 
-def _round_weight_sum(x: Array, grads: dict) -> None:
-    """A 16-bit grad_weight's kept float32 sum rounded once into it, after the loss call."""
-    if grads.get("grad_weight_sum_tail") is not None:
-        invoke_round_grad_weight(x.device, grad_weight=grads["grad_weight"],
-                                 tail=grads["grad_weight_sum_tail"], scale=None)
+def _invoke_linear(x: Array, grad, grads: dict, **arrays) -> None:
+    """A linear loss call, then a 16-bit grad_weight's kept float32 sum rounded once into it; on
+    a GPU the step's last dW product left to that rounding where the library defers it
+    (lmloss_loss_deferred_bytes: no product into the sum and no rounding pass of its own)."""
+    tail = grads.get("grad_weight_sum_tail")
+    deferred = None
+    if tail is not None and x.device >= 0:
+        deferred_bytes = invoke_deferred_bytes(x.device, **arrays, **grads)
+        if deferred_bytes > 0:
+            deferred = empty(x, (deferred_bytes,), "uint8")
+    invoke_loss("forward_backward" if grad else "forward", x.device, grad_weight_deferred=deferred,
+                **arrays, **grads)
+    if tail is not None:
+        invoke_round_grad_weight(x.device, grad_weight=grads["grad_weight"], tail=tail, scale=None,
+                                 deferred=deferred)
 
 
 def _linear_result(x: Array, loss, lse, grads: dict, reduction: str, batch: tuple) -> LossResult:
@@ -495,10 +505,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
                         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                         temperature=temperature, normalizer=normalizer)
     x_rows, loss, lse, grads = _linear_outputs(x, w, b, opts, grad, grad_weight, grad_weight_dtype)
-    invoke_loss("forward_backward" if grad else "forward", x.device, hidden=x_rows,
-                weight=w.rows(), bias=_bias_rows(b), labels=y.flat(),
-                loss=loss, lse=lse, **grads, **opts)
-    _round_weight_sum(x, grads)
+    _invoke_linear(x, grad, grads, hidden=x_rows, weight=w.rows(), bias=_bias_rows(b),
+                   labels=y.flat(), loss=loss, lse=lse, **opts)
     return _linear_result(x, loss, lse, grads, opts["reduction"], batch)
 
 
@@ -527,13 +535,10 @@ def linear_distill(hidden, weight, teacher_ids, teacher_probs, *, bias=None, lab
     x_rows, loss, lse, grads = _linear_outputs(x, w, b, opts, grad, grad_weight, grad_weight_dtype)
     if probs.shape != ids.shape:
         raise ValueError(f"teacher_probs: expected shape {ids.shape} like teacher_ids, got {probs.shape}")
-    invoke_loss("forward_backward" if grad else "forward", x.device, hidden=x_rows,
-                weight=w.rows(), bias=_bias_rows(b),
-                labels=None if y is None else y.flat(),
-                teacher_ids=ids.rows(), teacher_probs=probs.rows(),
-                token_mask=None if mask is None else mask.flat(),
-                loss=loss, lse=lse, **grads, **opts)
-    _round_weight_sum(x, grads)
+    _invoke_linear(x, grad, grads, hidden=x_rows, weight=w.rows(), bias=_bias_rows(b),
+                   labels=None if y is None else y.flat(), teacher_ids=ids.rows(),
+                   teacher_probs=probs.rows(), token_mask=None if mask is None else mask.flat(),
+                   loss=loss, lse=lse, **opts)
     return _linear_result(x, loss, lse, grads, opts["reduction"], batch)
 
 

@@ -584,6 +584,15 @@ def test_cuda_eager_step_defers_its_last_weight_product(smoothing, monkeypatch):
     rdx, rdw = torch.autograd.grad(ref, (x32, w32))
     assert_close(dx, rdx, "bfloat16", "grad_hidden")
     assert_close(dw, rdw, "bfloat16", "grad_weight")
+    # The array functions defer too, rounding right after their step.
+    calls = len(sizes)
+    lmloss.set_workspace_budget(v * 2 * 600)
+    try:
+        r = lmloss.linear_cross_entropy(x, w, y, label_smoothing=smoothing, grad=True)
+    finally:
+        lmloss.set_workspace_budget(before)
+    assert len(sizes) == calls + 1 and sizes[-1] > 0
+    assert_close(r.grad_weight, rdw / 0.37, "bfloat16", "array grad_weight")
 
 
 @needs_cuda
