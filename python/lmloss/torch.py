@@ -387,7 +387,7 @@ def _setup_forward_backward(ctx, inputs, output):
     ctx.dtypes = tuple(None if t is None else t.dtype for t in head)
     ctx.want = inputs[_N_HEAD_TARGETS + _N_OPTIONS:_N_HEAD_TARGETS + _N_OPTIONS + 4]
     ctx.weight_sum_rounded = False
-    ctx.deferred = None  # an eager step's deferred dW product (_eager_forward_backward)
+    ctx.deferred = None  # an eager step's deferred dW product (_EagerForwardBackward)
     ctx.save_for_backward(*output[2:7])
     ctx.mark_non_differentiable(*output[1:7])
     # Gradients of the outputs besides the loss are never used; materialised, they would be zero
