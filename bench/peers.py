@@ -327,25 +327,20 @@ def lmloss_methods(mode, y, ids, p):
         return {"lmloss": lambda x, w: lmloss.topk(x, w, k)}
     out = {"lmloss": lambda x, w: lt.linear_cross_entropy(x, w, y)}
     if mode == "fwd_bwd":
-        # The same with the 16-bit dW summed in a float32 tensor of its own and rounded into a new
-        # one in backward (lmloss.torch before the kept sum).
-        def f32_dw(x, w):
-            lt._KEEP_WEIGHT_SUM = False
-            try:
-                return lt.linear_cross_entropy(x, w, y)
-            finally:
-                lt._KEEP_WEIGHT_SUM = True
-        out["lmloss-f32dw"] = f32_dw
-
-        # The same with the last chunk's dW product added into the kept sum in the step, the sum
-        # rounded by its own pass in backward (lmloss.torch before the deferred product).
-        def no_defer(x, w):
-            lt._DEFER_WEIGHT_PRODUCT = False
-            try:
-                return lt.linear_cross_entropy(x, w, y)
-            finally:
-                lt._DEFER_WEIGHT_PRODUCT = True
-        out["lmloss-nodefer"] = no_defer
+        def with_setting(name):  # the same loss, one of lmloss.torch's settings off for the call
+            def run(x, w):
+                setattr(lt, name, False)
+                try:
+                    return lt.linear_cross_entropy(x, w, y)
+                finally:
+                    setattr(lt, name, True)
+            return run
+        # The 16-bit dW summed in a float32 tensor of its own and rounded into a new one in
+        # backward (lmloss.torch before the kept sum).
+        out["lmloss-f32dw"] = with_setting("_KEEP_WEIGHT_SUM")
+        # The last chunk's dW product added into the kept sum in the step, the sum rounded by its
+        # own pass in backward (lmloss.torch before the deferred product).
+        out["lmloss-nodefer"] = with_setting("_DEFER_WEIGHT_PRODUCT")
         # The fused op alone, outside autograd: loss and gradients for an upstream gradient of 1,
         # a 16-bit dW kept as its float32 sum (what lmloss.torch's forward runs, before backward
         # rounds it).

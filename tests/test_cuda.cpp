@@ -512,6 +512,14 @@ TEST_F(Cuda, FusedStepDefersItsLastWeightProductToTheRounding) {
         scale.upload();
         const lmloss_tensor scale_t = after_a_step ? scale.tensor() : lmloss_tensor_none();
 
+        // One fused step on a case's buffers.
+        auto fused = [&](LossCase& on, const lmloss_loss_options& options) {
+          const lmloss_head h = on.head();
+          const lmloss_targets t = on.targets();
+          const lmloss_grads g = on.grads();
+          const lmloss_tensor loss_t = on.loss_tensor(), lse_t = on.lse_tensor();
+          return lmloss_loss_forward_backward(ctx.get(), &h, &t, &options, nullptr, &loss_t, &lse_t, &g);
+        };
         // The step(s) into a kept sum, the last given `deferred` where it defers, then the rounding.
         Buffer tail(Device::cuda, LMLOSS_F32, 2, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(shape.vocab), shape.hidden);
         LossCase c(problem, o, st);
@@ -519,23 +527,16 @@ TEST_F(Cuda, FusedStepDefersItsLastWeightProductToTheRounding) {
         Buffer deferred;
         size_t step_peak = 0;
         auto steps = [&](const Buffer* into) -> lmloss_status {
-          const lmloss_head h = c.head();
-          const lmloss_targets t = c.targets();
-          const lmloss_grads g = c.grads();
-          const lmloss_tensor loss_t = c.loss_tensor(), lse_t = c.lse_tensor();
           lmloss_loss_options step = c.options;
           if (after_a_step) {
-            const lmloss_status first_step =
-                lmloss_loss_forward_backward(ctx.get(), &h, &t, &step, nullptr, &loss_t, &lse_t, &g);
-            if (first_step != LMLOSS_SUCCESS) return first_step;
+            if (const lmloss_status st = fused(c, step); st != LMLOSS_SUCCESS) return st;
             step.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT;
           }
           if (into) step.grad_weight_deferred = into->tensor();
           lmloss_context_reset_peak_workspace(ctx.get());
-          const lmloss_status last_step =
-              lmloss_loss_forward_backward(ctx.get(), &h, &t, &step, nullptr, &loss_t, &lse_t, &g);
-          if (last_step != LMLOSS_SUCCESS) return last_step;
+          if (const lmloss_status st = fused(c, step); st != LMLOSS_SUCCESS) return st;
           lmloss_context_get_peak_workspace(ctx.get(), &step_peak);
+          const lmloss_grads g = c.grads();
           const lmloss_tensor tail_t = tail.tensor();
           if (!into) return lmloss_round_grad_weight(ctx.get(), &g.grad_weight, &tail_t, &scale_t);
           const lmloss_tensor deferred_t = into->tensor();
@@ -571,18 +572,10 @@ TEST_F(Cuda, FusedStepDefersItsLastWeightProductToTheRounding) {
         LossCase wide(problem, o, wide_setup);
         ASSERT_EQ(wide.invoke(ctx.get(),
                               [&] {
-                                const lmloss_head h = wide.head();
-                                const lmloss_targets t = wide.targets();
-                                const lmloss_grads g = wide.grads();
-                                const lmloss_tensor loss_t = wide.loss_tensor(), lse_t = wide.lse_tensor();
                                 lmloss_loss_options step = o;
-                                lmloss_status status = LMLOSS_SUCCESS;
-                                for (int i = 0; i < (after_a_step ? 2 : 1) && status == LMLOSS_SUCCESS; ++i) {
-                                  status = lmloss_loss_forward_backward(ctx.get(), &h, &t, &step, nullptr, &loss_t,
-                                                                        &lse_t, &g);
-                                  step.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT;
-                                }
-                                return status;
+                                lmloss_status status = fused(wide, step);
+                                step.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT;
+                                return after_a_step && status == LMLOSS_SUCCESS ? fused(wide, step) : status;
                               }),
                   LMLOSS_SUCCESS)
             << lmloss_last_error();
@@ -593,16 +586,7 @@ TEST_F(Cuda, FusedStepDefersItsLastWeightProductToTheRounding) {
         Buffer other(Device::cuda, LMLOSS_U8, 1, int64_t(bytes) + 256);
         lmloss_loss_options refused = c.options;
         refused.grad_weight_deferred = other.tensor();
-        EXPECT_EQ(c.invoke(ctx.get(),
-                           [&] {
-                             const lmloss_head h = c.head();
-                             const lmloss_targets t = c.targets();
-                             const lmloss_grads g = c.grads();
-                             const lmloss_tensor loss_t = c.loss_tensor(), lse_t = c.lse_tensor();
-                             return lmloss_loss_forward_backward(ctx.get(), &h, &t, &refused, nullptr, &loss_t,
-                                                                 &lse_t, &g);
-                           }),
-                  LMLOSS_ERROR_INVALID_ARGUMENT);
+        EXPECT_EQ(c.invoke(ctx.get(), [&] { return fused(c, refused); }), LMLOSS_ERROR_INVALID_ARGUMENT);
         EXPECT_NE(std::string(lmloss_last_error()).find("lmloss_loss_deferred_bytes gives"), std::string::npos)
             << lmloss_last_error();
         EXPECT_TRUE(untouched(c.grad_weight));
