@@ -308,8 +308,8 @@ lmloss_status lmloss_round_grad_weight(lmloss_context* context, const lmloss_ten
 lmloss_status lmloss_round_grad_weight_deferred(lmloss_context* context, const lmloss_tensor* grad_weight,
                                                 const lmloss_tensor* tail, const lmloss_tensor* scale,
                                                 const lmloss_tensor* deferred) {
-  if (!deferred) return fail(LMLOSS_ERROR_INVALID_ARGUMENT, "deferred: is NULL");
-  return round_weight_sum(context, grad_weight, tail, scale, deferred);
+  static const lmloss_tensor missing{};  // a NULL deferred is reported as missing, not taken as none
+  return round_weight_sum(context, grad_weight, tail, scale, deferred ? deferred : &missing);
 }
 
 }  // extern "C"
