@@ -302,9 +302,10 @@ LMLOSS_API lmloss_status lmloss_loss_forward_backward(
  * these same arguments (the options' grad_weight_deferred itself is not read), or 0 where nothing
  * is deferred: on the CPU, without a kept sum, for one token chunk, and where the store does not
  * run (CUDA before sm_90, a vocab or hidden not a multiple of 8). The step takes the buffer as its
- * logits workspace for every chunk, that much less of its own: its peak stays as it was, but the
- * buffer lives until the rounding. Until then the kept sum lacks that product: round it with
- * lmloss_round_grad_weight_deferred before any other call adds to it. */
+ * logits workspace for every chunk, that much less of its own: its peak grows only by the chunk's
+ * rows of X (2 bytes x rows x hidden), but the buffer lives until the rounding. Until then the
+ * kept sum lacks that product: round it with lmloss_round_grad_weight_deferred before any other
+ * call adds to it. */
 LMLOSS_API lmloss_status lmloss_loss_deferred_bytes(
     lmloss_context* context, const lmloss_head* head, const lmloss_targets* targets,
     const lmloss_loss_options* options, const lmloss_tensor* grad_loss, const lmloss_tensor* loss,
