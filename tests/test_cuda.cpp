@@ -497,8 +497,9 @@ TEST_F(Cuda, FusedStepDefersItsLastWeightProductToTheRounding) {
   };
   // Several chunks in every form by the budget's arithmetic: a row's logits alone take 2 V bytes
   // (budget_for_rows(r, V) / 2V = 3 r + 32768 / V rows at most, below N), the exponential form's
-  // staging 6 H. At V 8 the gradient pass (label smoothing) fits every row in a budget that holds
-  // the fixed pieces: it runs only in the other shapes.
+  // staging of dX and X 6 H (at V 8: 71.7 KB / 384 B = 186 rows at most, below 300). At V 8 the
+  // gradient pass (label smoothing) fits every row in a budget that holds the fixed pieces: it
+  // runs only in the other shapes.
   for (const DeferShape shape : {DeferShape{700, 2008, 72, 128}, DeferShape{1300, 2000, 40, 400},
                                  DeferShape{300, 8, 64, 128}}) {
     for (const char* name : {"plain", "smoothing_zloss_temperature", "distill_mixed"}) {
