@@ -188,14 +188,18 @@ def _invoke(call, device: int, *args, **kwargs):
         raise _translate(e) from None
 
 
-def invoke_loss(mode: str, device: int, **kwargs) -> None:
-    _invoke(_lmloss.loss, device, mode, **kwargs)
+def invoke_loss(mode: str, device: int, **kwargs):
+    """A loss call; for a fused step whose grad_weight_deferred is a maker (deferred_maker), the
+    buffer it made, or None where the step defers nothing."""
+    return _invoke(_lmloss.loss, device, mode, **kwargs)
 
 
-def invoke_deferred_bytes(device: int, **kwargs) -> int:
-    """lmloss_loss_deferred_bytes: the bytes of grad_weight_deferred that a fused step with these
-    arguments takes (0: it defers nothing)."""
-    return _invoke(_lmloss.loss, device, "deferred_bytes", **kwargs)
+def deferred_maker(like):
+    """What a fused step that may defer its last dW product takes as grad_weight_deferred: the
+    extension calls it with the bytes the step defers (lmloss_loss_deferred_bytes), where it
+    defers any, for a byte tensor on like's CUDA device, held until the rounding."""
+    torch = sys.modules["torch"]
+    return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=like.device)
 
 
 def invoke_topk(device: int, **kwargs) -> None:
@@ -452,13 +456,9 @@ def _invoke_linear(x: Array, grad, grads: dict, **arrays) -> None:
     a GPU the step's last dW product left to that rounding where the library defers it
     (lmloss_loss_deferred_bytes: no product into the sum and no rounding pass of its own)."""
     tail = grads.get("grad_weight_sum_tail")
-    deferred = None
-    if tail is not None and x.device >= 0:
-        deferred_bytes = invoke_deferred_bytes(x.device, **arrays, **grads)
-        if deferred_bytes > 0:
-            deferred = empty(x, (deferred_bytes,), "uint8")
-    invoke_loss("forward_backward" if grad else "forward", x.device, grad_weight_deferred=deferred,
-                **arrays, **grads)
+    maker = deferred_maker(x.data) if tail is not None and x.device >= 0 else None
+    deferred = invoke_loss("forward_backward" if grad else "forward", x.device,
+                           grad_weight_deferred=maker, **arrays, **grads)
     if tail is not None:
         invoke_round_grad_weight(x.device, grad_weight=grads["grad_weight"], tail=tail, scale=None,
                                  deferred=deferred)

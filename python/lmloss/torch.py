@@ -76,8 +76,8 @@ def _device(logits: Optional[Tensor], hidden: Optional[Tensor]) -> int:
     return lead.device.index if lead.device.type == "cuda" else -1
 
 
-def _run(mode: str, device: int, **kwargs) -> None:
-    _api.invoke_loss(mode, device, **kwargs)
+def _run(mode: str, device: int, **kwargs):
+    return _api.invoke_loss(mode, device, **kwargs)
 
 
 def _empty_like_shape(ref: Tensor, shape, dtype) -> Tensor:
@@ -290,12 +290,8 @@ def _fused_step(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs
         temperature=temperature, loss=loss, lse=lse, grad_logits=_present(g_logits),
         grad_hidden=_present(g_hidden), grad_weight=_present(g_weight),
         grad_bias=_present(g_bias), grad_weight_sum_tail=_present(tail))
-    deferred = None
-    if defer and tail.numel() > 0 and device >= 0:
-        deferred_bytes = _api.invoke_deferred_bytes(device, **arrays)
-        if deferred_bytes > 0:
-            deferred = torch.empty(deferred_bytes, dtype=torch.uint8, device=lead.device)
-    _run("forward_backward", device, grad_weight_deferred=deferred, **arrays)
+    maker = _api.deferred_maker(lead) if defer and tail.numel() > 0 and device >= 0 else None
+    deferred = _run("forward_backward", device, grad_weight_deferred=maker, **arrays)
     return loss, lse, g_logits, g_hidden, g_weight, g_bias, tail, deferred
 
 
@@ -421,8 +417,7 @@ def _check_first_order(grad_loss: Tensor) -> None:
 _loss_backward.register_autograd(_refuse_second_order)
 
 
-@torch.library.custom_op("lmloss::scale_gradient", mutates_args=())
-def _scale_gradient(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+def _scale_gradient_impl(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """grad * scale computed in float32 (float64 for a float64 grad) and rounded once into dtype, by
     the library in one pass (lmloss_scale_gradient): PyTorch's own product by a 0-dim device
     tensor takes a non-vectorised kernel: on an H200, 2.6 ms for the float32 dW of a 16-bit head at
@@ -432,6 +427,11 @@ def _scale_gradient(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     _api.invoke_scale_gradient(_device(None, grad), grad=_rows(grad),
                                scale=scale.reshape(()).to(product).contiguous(), out=out)
     return out
+
+
+# The same as a custom op, for traced backwards; eager ones call the implementation directly.
+_scale_gradient = torch.library.custom_op("lmloss::scale_gradient", mutates_args=())(
+    _scale_gradient_impl)
 
 
 @_scale_gradient.register_fake
@@ -451,7 +451,8 @@ def _scaled_to(grad: Tensor, grad_loss: Tensor, dtype: torch.dtype) -> Tensor:
     on_cpu = grad.device.type == "cpu"
     if (grad.dim() in (1, 2) and grad.dtype.is_floating_point and dtype.is_floating_point
             and (on_cpu or torch.float64 not in (grad.dtype, dtype))):
-        return _scale_gradient(grad, grad_loss, dtype)
+        scale = _scale_gradient if _traced(grad) else _scale_gradient_impl
+        return scale(grad, grad_loss, dtype)
     if grad.dim() == 0 or grad.dtype == dtype:
         return torch.mul(grad, grad_loss, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
     out = torch.empty(grad.shape, dtype=dtype, device=grad.device)

@@ -349,10 +349,11 @@ lmloss_reduction reduction_from(const std::string& name) {
 
 // ---- The calls -----------------------------------------------------------------------------
 
-// mode: "forward", "backward" or "forward_backward", or "deferred_bytes": what a fused step with
-// these arrays takes as grad_weight_deferred (lmloss_loss_deferred_bytes), returned; the calls
-// return 0. Absent arrays are None.
-size_t loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb::handle weight,
+// mode: "forward", "backward" or "forward_backward". Absent arrays are None. grad_weight_deferred
+// is an array, or for a fused step a callable that makes one: called with the bytes the step
+// defers (lmloss_loss_deferred_bytes) where it defers any, so that the arrays are described once
+// for both. Returns the array it made, else None.
+nb::object loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb::handle weight,
                nb::handle bias, nb::handle labels, nb::handle teacher_ids,
                nb::handle teacher_probs, nb::handle token_mask, const std::string& reduction,
                int64_t ignore_index, double normalizer, double ce_weight, double kd_weight,
@@ -362,8 +363,9 @@ size_t loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, 
                nb::handle loss, nb::handle lse, nb::handle grad_logits, nb::handle grad_hidden,
                nb::handle grad_weight, nb::handle grad_bias, uintptr_t stream,
                nb::handle allocator) {
-  if (mode != "forward" && mode != "backward" && mode != "forward_backward" && mode != "deferred_bytes")
+  if (mode != "forward" && mode != "backward" && mode != "forward_backward")
     raise(LMLOSS_ERROR_INVALID_ARGUMENT, "mode: unknown \"" + mode + "\"");
+  const bool make_deferred = mode == "forward_backward" && PyCallable_Check(grad_weight_deferred.ptr());
   lmloss::LossOptions options;
   options.reduction = reduction_from(reduction);
   options.ignore_index = ignore_index;
@@ -388,7 +390,7 @@ size_t loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, 
        v_g_weight = describe(grad_weight, "grad_weight", true),
        v_g_bias = describe(grad_bias, "grad_bias", true),
        v_sum_tail = describe(grad_weight_sum_tail, "grad_weight_sum_tail", true),
-       v_deferred = describe(grad_weight_deferred, "grad_weight_deferred", true);
+       v_deferred = describe(make_deferred ? nb::handle(Py_None) : grad_weight_deferred, "grad_weight_deferred", true);
   options.grad_weight_sum_tail = v_sum_tail.tensor;
   options.grad_weight_deferred = v_deferred.tensor;
 
@@ -399,13 +401,25 @@ size_t loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, 
   const int key = first_device_key({&v_logits.tensor, &v_hidden.tensor});
   lmloss::Context& ctx = context_for(key, stream, allocator);
 
+  nb::object made = nb::none();
+  if (make_deferred) {
+    size_t bytes = 0;
+    {
+      nb::gil_scoped_release release;
+      bytes = lmloss::loss_deferred_bytes(ctx, head, targets, options, v_grad_loss.tensor, v_loss.tensor,
+                                          v_lse.tensor, grads);
+    }
+    if (bytes > 0) {
+      made = nb::borrow(grad_weight_deferred)(bytes);
+      v_deferred = describe(made, "grad_weight_deferred", true);
+      options.grad_weight_deferred = v_deferred.tensor;
+    }
+  }
+
   // The arrays are held by the views above; the GIL is free for other Python threads while
   // the library works (an allocator callback takes it back).
   nb::gil_scoped_release release;
-  if (mode == "deferred_bytes") {
-    return lmloss::loss_deferred_bytes(ctx, head, targets, options, v_grad_loss.tensor, v_loss.tensor,
-                                       v_lse.tensor, grads);
-  } else if (mode == "forward") {
+  if (mode == "forward") {
     lmloss::loss_forward(ctx, head, targets, options, v_loss.tensor, v_lse.tensor);
   } else if (mode == "backward") {
     lmloss::loss_backward(ctx, head, targets, options, v_lse.tensor, v_grad_loss.tensor, grads);
@@ -413,7 +427,7 @@ size_t loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, 
     lmloss::loss_forward_backward(ctx, head, targets, options, v_grad_loss.tensor, v_loss.tensor,
                                   v_lse.tensor, grads);
   }
-  return 0;
+  return made;
 }
 
 void topk_call(nb::handle logits, nb::handle hidden, nb::handle weight, nb::handle bias,

@@ -569,6 +569,34 @@ def test_scale_gradient_extension_call():
     np.testing.assert_array_equal(half, want)
 
 
+def test_fused_step_asks_a_maker_for_its_deferred_buffer_only_where_it_defers():
+    # grad_weight_deferred may be a maker, called with the bytes the step defers: on the host the
+    # step defers nothing, so the maker is never called, the call returns None, and its results
+    # are the plain step's.
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((9, 16)).astype(np.float32)
+    w = rng.standard_normal((40, 16)).astype(np.float32)
+    y = rng.integers(0, 40, 9)
+    options = dict(reduction="mean", ignore_index=-100, normalizer=0.0, ce_weight=1.0,
+                   kd_weight=0.0, label_smoothing=0.0, z_loss=0.0, softcap=0.0, temperature=1.0)
+
+    def step(**extra):
+        out = dict(loss=np.full((), np.nan, np.float32), lse=np.full(9, np.nan, np.float32),
+                   grad_hidden=np.full_like(x, np.nan), grad_weight=np.full_like(w, np.nan))
+        made = lmloss._lmloss.loss("forward_backward", hidden=x, weight=w, labels=y, **options,
+                                   **out, **extra)
+        return made, out
+
+    asked = []
+    made, out = step(grad_weight_deferred=lambda nbytes: asked.append(nbytes))
+    _, plain = step()
+    assert made is None and asked == []
+    for name in plain:
+        np.testing.assert_array_equal(out[name], plain[name], err_msg=name)
+    with pytest.raises(lmloss._lmloss.Error, match="mode"):
+        lmloss._lmloss.loss("deferred_bytes", hidden=x, weight=w, labels=y, **options)
+
+
 # ---- Arrays the library cannot describe in place, and the package's own checks ---------------
 
 

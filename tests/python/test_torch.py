@@ -551,10 +551,13 @@ def test_cuda_eager_step_defers_its_last_weight_product(smoothing, monkeypatch):
     # dW product to backward, which stores it over the sum with the upstream gradient (0.37 here)
     # as the scale. The gradient is the one the step gives without deferring, rounded once from
     # (nearly) the same float32 sum, and meets the float32 reference.
-    sizes = []
-    query = lmloss._api.invoke_deferred_bytes
-    monkeypatch.setattr(lmloss._api, "invoke_deferred_bytes",
-                        lambda *a, **k: sizes.append(query(*a, **k)) or sizes[-1])
+    sizes = []  # of the buffers the extension asked for
+    maker = lmloss._api.deferred_maker
+
+    def recording_maker(like):
+        make = maker(like)
+        return lambda nbytes: sizes.append(nbytes) or make(nbytes)
+    monkeypatch.setattr(lmloss._api, "deferred_maker", recording_maker)
     torch.manual_seed(3)
     n, h, v = 2000, 256, 4000
     x = torch.randn(n, h, device="cuda").bfloat16()
