@@ -16,6 +16,8 @@ other round, a row for each. With --accuracy the cross-entropy steps are also co
 float64 reference of the same bf16 inputs (loss, dX, dW; relative error of the norm), and so are
 lmloss's dW in float32 and in bf16, rounded once and after each token chunk. With
 --profile each step's kernels are summed by name from one run under torch.profiler. With
+--host each step's host time is measured with the GPU kept busy, and in a synchronous run the
+GPU's wait for its first kernel and its idle gaps between kernels (CUPTI). With
 --launch-ahead MS a sleep kernel of about MS ms goes before each timed run, so that the host's
 work before a step's first kernel (dispatch, allocation, a compiled graph's guards) overlaps it as
 in a training loop, where the host runs ahead, and the events time the GPU's work alone; without
@@ -376,6 +378,49 @@ def print_kernels(heading, total, kernels):
         print(f"#   {k_ms:8.3f} ms  {name[:110]}")
 
 
+def host_profile(run, steps=5, rounds=3):
+    """The host's side of a step: its median ms over runs queued behind a sleep kernel long
+    enough that the host never waits for the GPU (dispatch, allocation, launches), and in a
+    synchronous run (the GPU idle before it) how long after a marker kernel the step's first
+    kernel starts and how long the GPU idles between its kernels (gaps over 5 us, by CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+    run()
+    cycles = sleep_cycles(400)
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(rounds):
+        torch.cuda._sleep(cycles)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            run()
+            host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    flush_l2()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(1000)  # the marker: the first kernel in the trace
+        out = run()
+        torch.cuda.synchronize()
+    del out
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if str(e.device_type).endswith("CUDA") and e.device_time_total > 0]
+    return (statistics.median(host), *idle_time(kernels))
+
+
+def idle_time(kernels, least_us=5.0):
+    """(us from the end of the first kernel, the marker, to the start of the next; us of the gaps
+    of more than least_us between the later ones, which may overlap on several streams), from
+    (start, end) pairs in microseconds."""
+    kernels = sorted(kernels)
+    marker_end, step = kernels[0][1], kernels[1:]
+    gaps, end = 0.0, step[0][0]
+    for start, stop in step:
+        if start > end + least_us:
+            gaps += start - end
+        end = max(end, stop)
+    return step[0][0] - marker_end, gaps
+
+
 def float64_reference(x, w, y, rows=1024):
     """Mean cross-entropy of x @ w.T against y, and its gradients for x and w, in float64, a chunk
     of rows at a time (the full float64 logits would not fit beside everything else)."""
@@ -439,6 +484,9 @@ def main():
                     help="keep the GPU busy this long before each timed run (a sleep kernel), so "
                          "that the host's launches overlap it as in a training loop, where the "
                          "host runs ahead: the time is then the GPU's alone")
+    ap.add_argument("--host", action="store_true",
+                    help="also each step's host time with the GPU kept busy, and in a synchronous "
+                         "run the GPU's wait for its first kernel and its idle gaps (CUPTI)")
     ap.add_argument("--clocks", action="store_true",
                     help="sample the SM clock (NVML) while each timed run is on the device")
     ap.add_argument("--data", choices=("random", "peaked"), default="random",
@@ -533,6 +581,13 @@ def main():
                           + ("  vs f64: loss {:.1e} dX {:.1e} dW {:.1e}".format(*err64)
                              if err64 else "")
                           + clock_note, flush=True)
+                    if args.host and first:
+                        host_ms, first_us, gaps_us = host_profile(run)
+                        print(f"#   {name}: host {host_ms:.3f} ms a step with the GPU busy; "
+                              f"synchronous, its first kernel {first_us:.0f} us after the "
+                              f"marker, idle gaps {gaps_us:.0f} us", flush=True)
+                        rows[-1].update(host_ms=host_ms, first_kernel_us=first_us,
+                                        idle_gaps_us=gaps_us)
                     if args.profile and first:
                         total, kernels = kernel_profile(run)
                         print_kernels(f"{name} (the step {ms:.3f} ms)", total, kernels)

@@ -184,3 +184,14 @@ def test_peers_inputs_refuse_an_unknown_kind():
 
     with pytest.raises(ValueError, match="random or peaked"):
         peers.make_inputs(4, 8, 16, torch.bfloat16, data="trained", device="cpu")
+
+
+def test_peers_idle_time_counts_only_the_gaps_no_stream_covers():
+    # A marker ending at 10 us, the step's first kernel at 510; a kernel on a second stream
+    # (600-900) covers the first stream's pause (700-800); gaps of 3 us are not counted, 50 us is.
+    pytest.importorskip("torch")
+    import peers
+    kernels = [(900, 950), (0, 10), (510, 700), (600, 900), (800, 850), (953, 960), (1010, 1100)]
+    first_us, gaps_us = peers.idle_time(kernels)
+    assert first_us == 500
+    assert gaps_us == 50
