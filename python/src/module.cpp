@@ -390,7 +390,7 @@ nb::object loss_call(const std::string& mode, nb::handle logits, nb::handle hidd
        v_g_weight = describe(grad_weight, "grad_weight", true),
        v_g_bias = describe(grad_bias, "grad_bias", true),
        v_sum_tail = describe(grad_weight_sum_tail, "grad_weight_sum_tail", true),
-       v_deferred = describe(make_deferred ? nb::handle(Py_None) : grad_weight_deferred, "grad_weight_deferred", true);
+       v_deferred = make_deferred ? View{} : describe(grad_weight_deferred, "grad_weight_deferred", true);
   options.grad_weight_sum_tail = v_sum_tail.tensor;
   options.grad_weight_deferred = v_deferred.tensor;
 
