@@ -10,6 +10,11 @@ the products take them, products summed exactly. Rows:
   rounded once    the f32 sum over the chunks rounded once (LMLOSS_SUM_GRAD_WEIGHT_IN_F32, the CPU)
   per chunk       the bf16 dW read, the chunk's product added, rounded: once a chunk
   per chunk x2    as per chunk, the one-hot term added and rounded apart (the exponential form)
+  bf16 + b bits   a sum kept as its bf16 value and a b-bit integer rest in units of that value's
+                  ulp / (2^b - 2) (8 or 4 bits: a tail of 1 or 1/2 byte an entry, not an f32
+                  sum's 2 beyond the gradient's own), rebuilt, added to and split again a chunk,
+                  rounded once at the end (--rest-bits, one row each; in brackets the kept sum's
+                  own error before that rounding, beside the unrounded f32 sum's)
 Each element's error depends on its own sum, not on H, so a small H stands for a model's.
 With --library (needs lmloss and PyTorch) the same data also goes through the CPU library once a
 chunk, adding into a bf16 dW (LMLOSS_ACCUMULATE_GRAD_WEIGHT; each call rounds its f32 sum once):
@@ -49,6 +54,32 @@ def bf16(a):
     return bits.view(np.float32)
 
 
+def split_sum(total, bits):
+    """total, first rounded to f32 as a product's epilogue holds it, as its bf16 value and the rest:
+    an integer of `bits` bits (symmetric, |rest| < 2^(bits-1)) in units of rest_unit(high, bits)."""
+    total = np.asarray(total, np.float32)
+    high = bf16(total)
+    rest = np.rint((total.astype(np.float64) - high) / rest_unit(high, bits))
+    return high, rest
+
+
+def joined_sum(high, rest, bits):
+    return high.astype(np.float64) + rest * rest_unit(high, bits)
+
+
+def rest_unit(high, bits):
+    """The rest's unit: the bf16 value's ulp over 2^bits - 2, so that a rest of at most half an ulp
+    takes the 2^bits - 1 integers from -(2^(bits-1) - 1) to 2^(bits-1) - 1."""
+    return ulp_bf16(high) / (2.0 ** bits - 2)
+
+
+def ulp_bf16(values):
+    """The spacing of bf16 values at each of `values` (bf16 already): 8 significant bits, the
+    subnormals' 2^-133 below."""
+    _, exponent = np.frexp(values.astype(np.float64))
+    return np.where(values == 0, 2.0 ** -133, np.maximum(np.ldexp(1.0, exponent - 8), 2.0 ** -133))
+
+
 def relative_error(out, ref):
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
@@ -60,8 +91,9 @@ def make_inputs(n, v, h, seed=0):
     return x, w, rng.integers(0, v, n)
 
 
-def emulate(n, v, h, chunk_rows, seed=0):
+def emulate(n, v, h, chunk_rows, seed=0, rest_bits=()):
     x, w, y = make_inputs(n, v, h, seed)
+    kept = {bits: (np.zeros((v, h), np.float32), np.zeros((v, h))) for bits in rest_bits}
     exact = np.zeros((v, h))       # float64 sum of the exact G
     summed = np.zeros((v, h))      # the products' sums, not rounded
     naive = np.zeros((v, h))
@@ -82,12 +114,19 @@ def emulate(n, v, h, chunk_rows, seed=0):
         summed += soft + one_hot
         per_chunk = bf16(per_chunk + soft + one_hot)
         per_chunk_x2 = bf16(bf16(per_chunk_x2 + soft) + one_hot)
+        for bits, (high, rest) in kept.items():
+            kept[bits] = split_sum(joined_sum(high, rest, bits) + soft + one_hot, bits)
         p[np.arange(len(yc)), yc] -= 1.0
         p /= n
         naive += bf16(p).T.astype(np.float64) @ x64
     return dict(exact=exact, chunks=-(-n // chunk_rows), naive=relative_error(bf16(naive), exact),
                 once=relative_error(bf16(summed), exact), per_chunk=relative_error(per_chunk, exact),
-                per_chunk_x2=relative_error(per_chunk_x2, exact), f32_sum=relative_error(summed, exact))
+                per_chunk_x2=relative_error(per_chunk_x2, exact),
+                f32_sum=relative_error(summed, exact),
+                rest={bits: relative_error(bf16(joined_sum(high, rest, bits)), exact)
+                      for bits, (high, rest) in kept.items()},
+                rest_sum={bits: relative_error(joined_sum(high, rest, bits), exact)
+                          for bits, (high, rest) in kept.items()})
 
 
 def library_per_chunk(n, v, h, chunk_rows, seed=0):
@@ -164,6 +203,8 @@ def main():
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--chunk-rows", default="2816", help="comma list: one emulation each")
     ap.add_argument("--library", action="store_true", help="also the CPU library, called once a chunk")
+    ap.add_argument("--rest-bits", default="",
+                    help="comma list, e.g. 8,4: the sum kept as bf16 and a rest of that many bits")
     ap.add_argument("--forms", action="store_true",
                     help="an f32 dW on CUDA's two gradient forms instead")
     ap.add_argument("--data", choices=("random", "peaked"), default="random",
@@ -184,13 +225,16 @@ def main():
         for t, (mean, largest) in entries.items():
             print(f"  entries of {t:g} or more a row: mean {mean:.2f}, largest {largest}")
         return
+    rest_bits = [int(b) for b in args.rest_bits.split(",") if b]
     for rows in map(int, args.chunk_rows.split(",")):
         t0 = time.time()
-        e = emulate(args.tokens, args.vocab, args.hidden, rows)
+        e = emulate(args.tokens, args.vocab, args.hidden, rows, rest_bits=rest_bits)
+        kept = "".join(f"bf16 + {bits} bits {err:.2e} (the sum {e['rest_sum'][bits]:.1e})  "
+                       for bits, err in e["rest"].items())
         print(f"N {args.tokens} V {args.vocab} H {args.hidden}, {e['chunks']} chunks of {rows} rows: "
               f"naive bf16 {e['naive']:.2e}  rounded once {e['once']:.2e}  per chunk {e['per_chunk']:.2e}  "
-              f"per chunk x2 {e['per_chunk_x2']:.2e}  (unrounded {e['f32_sum']:.1e}; {time.time() - t0:.0f} s)",
-              flush=True)
+              f"per chunk x2 {e['per_chunk_x2']:.2e}  {kept}(unrounded {e['f32_sum']:.1e}; "
+              f"{time.time() - t0:.0f} s)", flush=True)
         if args.library:
             t0 = time.time()
             dw = library_per_chunk(args.tokens, args.vocab, args.hidden, rows)

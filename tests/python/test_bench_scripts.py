@@ -35,6 +35,36 @@ def test_emulation_orders_the_roundings():
     assert e["f32_sum"] <= 0.25 * e["once"]
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_sum_split_into_bf16_and_a_rest_rebuilds_it(bits):
+    """A value split into its bf16 value and a rest of `bits` bits comes back within half the rest's
+    unit (a bf16 ulp / (2^bits - 2)), the rest within its bits, at any scale, at zero and among the
+    subnormals; halfway values (ties of the bf16 rounding) take the rest's extremes."""
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal(20000) * 10.0 ** rng.integers(-30, 20, 20000)
+    ties = [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8]  # rounded to even: down, then up
+    values = np.concatenate([values, [0.0, 2.0 ** -130, -(2.0 ** -126) * 1.3], ties])
+    values = values.astype(np.float32).astype(np.float64)
+    high, rest = dw_rounding.split_sum(values, bits)
+    assert np.all(np.abs(rest) <= 2 ** (bits - 1) - 1)
+    assert list(rest[-2:]) == [2 ** (bits - 1) - 1, -(2 ** (bits - 1) - 1)]
+    error = np.abs(dw_rounding.joined_sum(high, rest, bits) - values)
+    assert np.all(error <= 0.5 * dw_rounding.rest_unit(high, bits) * (1 + 1e-9))
+    assert np.all(error[-2:] == 0)
+
+
+def test_emulation_of_a_sum_kept_with_a_rest_rounds_as_once():
+    """A sum kept as bf16 and an 8-bit rest, split again after each of 8 chunks, ends as close to
+    float64 as the f32 sum rounded once, and the kept sum itself nearly as close as the unrounded
+    one; with a 4-bit rest the kept sum drifts further but its rounding hardly; rounded to bf16
+    alone after each chunk (no rest), far from it."""
+    e = dw_rounding.emulate(2048, 1000, 16, 256, rest_bits=(8, 4))
+    assert abs(e["rest"][8] - e["once"]) <= 0.01 * e["once"], e
+    assert abs(e["rest"][4] - e["once"]) <= 0.05 * e["once"], e
+    assert e["rest_sum"][8] <= 1.01 * e["f32_sum"] and e["rest_sum"][4] >= 1.2 * e["f32_sum"], e
+    assert e["per_chunk"] >= 1.5 * e["rest"][4], e
+
+
 def test_emulation_matches_the_library_called_per_chunk():
     """The CPU library, called once a chunk adding into a bf16 dW (each call rounds once), drifts as
     the emulation's per-chunk rounding says (its gradient is not rounded to bf16 before the
