@@ -354,15 +354,15 @@ lmloss_reduction reduction_from(const std::string& name) {
 // defers (lmloss_loss_deferred_bytes) where it defers any, so that the arrays are described once
 // for both. Returns the array it made, else None.
 nb::object loss_call(const std::string& mode, nb::handle logits, nb::handle hidden, nb::handle weight,
-               nb::handle bias, nb::handle labels, nb::handle teacher_ids,
-               nb::handle teacher_probs, nb::handle token_mask, const std::string& reduction,
-               int64_t ignore_index, double normalizer, double ce_weight, double kd_weight,
-               double label_smoothing, double z_loss, double softcap, double temperature,
-               bool accumulate_grad_weight, bool accumulate_grad_bias, nb::handle grad_weight_sum_tail,
-               nb::handle grad_weight_deferred, nb::handle grad_loss,
-               nb::handle loss, nb::handle lse, nb::handle grad_logits, nb::handle grad_hidden,
-               nb::handle grad_weight, nb::handle grad_bias, uintptr_t stream,
-               nb::handle allocator) {
+                     nb::handle bias, nb::handle labels, nb::handle teacher_ids,
+                     nb::handle teacher_probs, nb::handle token_mask, const std::string& reduction,
+                     int64_t ignore_index, double normalizer, double ce_weight, double kd_weight,
+                     double label_smoothing, double z_loss, double softcap, double temperature,
+                     bool accumulate_grad_weight, bool accumulate_grad_bias, nb::handle grad_weight_sum_tail,
+                     nb::handle grad_weight_deferred, nb::handle grad_loss,
+                     nb::handle loss, nb::handle lse, nb::handle grad_logits, nb::handle grad_hidden,
+                     nb::handle grad_weight, nb::handle grad_bias, uintptr_t stream,
+                     nb::handle allocator) {
   if (mode != "forward" && mode != "backward" && mode != "forward_backward")
     raise(LMLOSS_ERROR_INVALID_ARGUMENT, "mode: unknown \"" + mode + "\"");
   const bool make_deferred = mode == "forward_backward" && PyCallable_Check(grad_weight_deferred.ptr());
