@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "cute/tensor.hpp"
@@ -150,6 +151,15 @@ struct Config {
   using RestOut = fusion::Sm90EVT<fusion::Sm90AuxStore<Policy<ElementC>::StagesD, EpiTile, int8_t, kRound, StrideRest,
                                                        RestAtom, RestR2S>,
                                   fusion::Sm90EVT<fusion::Sm90Compute<RestOf, float, float, kRound>, Acc>>;
+  // The add with the bf16 value read as a second auxiliary tensor, not as C: a C as wide as D shares
+  // D's shared memory, and each subtile's C then waits for the stores before it.
+  using HiAtom = decltype(epi_detail::sm90_get_epilogue_smem_swizzle_layout_atom<StrideRest, Element, EpiTile>());
+  using HiS2R = decltype(epi_detail::sm90_get_smem_load_op_for_source<StrideRest, Element, EpiTile>());
+  using JoinedAux = fusion::Sm90EVT<
+      fusion::Sm90Compute<KeptSumAdd, float, float, kRound>, Scalar, Acc, Scalar,
+      fusion::Sm90AuxLoad<Policy<void>::StagesC, EpiTile, Element, StrideRest, HiAtom, HiS2R>,
+      fusion::Sm90AuxLoad<Policy<void>::StagesC, EpiTile, int8_t, StrideRest, RestAtom, RestS2R>>;
+  using AddAuxCallbacks = fusion::Sm90SplitTreeVisitor<JoinedAux, Acc, RestOut<void>>;
   using FirstCallbacks = fusion::Sm90SplitTreeVisitor<Scaled, Acc, RestOut<void>>;
   using AddCallbacks = fusion::Sm90SplitTreeVisitor<Joined, Acc, RestOut<Element>>;
   using FinalCallbacks = Joined;
@@ -157,6 +167,9 @@ struct Config {
 using Cooperative = Config<Shape<_128, _256, _64>, Shape<_2, _1, _1>, Shape<_128, _32>,
                            cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                            cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using CooperativeWide = Config<Shape<_128, _256, _64>, Shape<_2, _1, _1>, Shape<_128, _64>,
+                               cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
 using Pingpong = Config<Shape<_128, _128, _64>, Shape<_2, _1, _1>, Shape<_64, _32>,
                         cutlass::gemm::KernelTmaWarpSpecializedPingpong, cutlass::epilogue::TmaWarpSpecialized>;
 
@@ -326,18 +339,26 @@ int main(int argc, char** argv) {
     const typename C::StrideRest rest_stride = make_stride(int64_t(H), Int<1>{}, int64_t(0));
     auto scalar = [](const float* p) { return typename C::Scalar::Arguments{{1.f}, {p}, {}}; };
     // Callbacks' arguments: a tree's children then its node; the split tree's input, aux trees, output.
-    auto joined_args = [&](const float* beta) {
-      return typename C::Joined::Arguments{scalar(alpha), {}, scalar(beta), {}, {rest, int8_t(0), rest_stride}, {}};
+    auto joined_args = [&](const float* beta, const int8_t* rest_in = nullptr) {
+      return typename C::Joined::Arguments{scalar(alpha), {}, scalar(beta), {}, {rest_in, int8_t(0), rest_stride}, {}};
     };
-    const auto rest_out = typename C::template RestOut<void>::Arguments{{{}, {}}, {rest, rest_stride}};
-    const auto rest_out_c =
-        typename C::template RestOut<typename C::Element>::Arguments{{{}, {}}, {rest, rest_stride}};
-    const typename C::FirstCallbacks::Arguments first_args{{scalar(alpha), {}, {}}, rest_out, {}};
+    // Where the rest's pointer is null, its load (the rest taken as 0) or its store is skipped.
+    auto rest_out_c = [&](int8_t* rest_to) {
+      return typename C::template RestOut<typename C::Element>::Arguments{{{}, {}}, {rest_to, rest_stride}};
+    };
+    auto rest_out = [&](int8_t* rest_to) {
+      return typename C::template RestOut<void>::Arguments{{{}, {}}, {rest_to, rest_stride}};
+    };
+    const typename C::FirstCallbacks::Arguments first_args{{scalar(alpha), {}, {}}, rest_out(rest), {}};
     auto* first = new RestGemm<C, void, typename C::FirstCallbacks>(V, H, K, g, x[0], first_args, nullptr, hi, sms);
-    auto* add = new RestGemm<C, typename C::Element, typename C::AddCallbacks>(
-        V, H, K, g, x[1], typename C::AddCallbacks::Arguments{joined_args(beta_one), rest_out_c, {}}, hi, hi, sms);
+    using Add = RestGemm<C, typename C::Element, typename C::AddCallbacks>;
+    auto add_with = [&](const int8_t* rest_in, int8_t* rest_to) {
+      return new Add(V, H, K, g, x[1], typename C::AddCallbacks::Arguments{joined_args(beta_one, rest_in),
+                                                                           rest_out_c(rest_to), {}}, hi, hi, sms);
+    };
+    Add* add = add_with(rest, rest);
     auto* last = new RestGemm<C, typename C::Element, typename C::FinalCallbacks>(
-        V, H, K, g, x[2], joined_args(beta_up), hi, dw_rest, sms);
+        V, H, K, g, x[2], joined_args(beta_up, rest), hi, dw_rest, sms);
     first->run(s);
     add->run(s);
     CUDA_OK(cudaMemcpyAsync(hi_h.data(), hi, vh * 2, cudaMemcpyDeviceToHost, s));
@@ -363,10 +384,39 @@ int main(int argc, char** argv) {
            "(%.2e), by %.2e relative\n",
            name, std::sqrt(kept_err / norm), std::sqrt(hi_err / norm), worst / std::sqrt(norm / vh), differ, vh,
            double(differ) / vh, std::sqrt(final_err / final_norm));
-    runs = {[=] { first->run(s); }, [=] { add->run(s); }, [=] { last->run(s); }};
+    // Diagnostics: the add without reading the rest, without writing it, and with neither.
+    Add *add_no_load = add_with(nullptr, rest), *add_no_store = add_with(rest, nullptr);
+    Add* add_neither = add_with(nullptr, nullptr);
+    runs = {[=] { first->run(s); },        [=] { add->run(s); },          [=] { last->run(s); },
+            [=] { add_no_load->run(s); }, [=] { add_no_store->run(s); }, [=] { add_neither->run(s); }};
+    if constexpr (std::is_same_v<C, Cooperative>) {
+      using Element = typename C::Element;
+      const auto* hi_in = reinterpret_cast<const Element*>(hi);
+      const typename C::AddAuxCallbacks::Arguments aux_args{
+          {scalar(alpha), {}, scalar(beta_one), {hi_in, Element(0), rest_stride}, {rest, int8_t(0), rest_stride}, {}},
+          rest_out(rest),
+          {}};
+      auto* add_aux = new RestGemm<C, void, typename C::AddAuxCallbacks>(V, H, K, g, x[1], aux_args, nullptr, hi, sms);
+      // Checked against the add: both from the pair after `first`.
+      std::vector<__nv_bfloat16> hi_a(vh), hi_b(vh);
+      std::vector<int8_t> rest_a(vh), rest_b(vh);
+      for (int form = 0; form < 2; ++form) {
+        first->run(s);
+        if (form == 0) add->run(s); else add_aux->run(s);
+        CUDA_OK(cudaMemcpyAsync((form ? hi_b : hi_a).data(), hi, vh * 2, cudaMemcpyDeviceToHost, s));
+        CUDA_OK(cudaMemcpyAsync((form ? rest_b : rest_a).data(), rest, vh, cudaMemcpyDeviceToHost, s));
+        CUDA_OK(cudaStreamSynchronize(s));
+      }
+      size_t differ = 0;
+      for (size_t i = 0; i < vh; ++i) differ += bf(hi_a[i]) != bf(hi_b[i]) || rest_a[i] != rest_b[i];
+      printf("check %s: the add reading the value as an auxiliary tensor differs from the add at %zu of %zu\n",
+             name, differ, vh);
+      runs.push_back([=] { add_aux->run(s); });
+    }
   };
-  std::vector<std::function<void()>> coop, ping;
+  std::vector<std::function<void()>> coop, wide, ping;
   pair_kernels(Cooperative{}, "cooperative 128x256", coop);
+  pair_kernels(CooperativeWide{}, "cooperative, epilogue 128x64", wide);
   pair_kernels(Pingpong{}, "ping-pong 128x128", ping);
 
   cudaEvent_t e0, e1; CUDA_OK(cudaEventCreate(&e0)); CUDA_OK(cudaEventCreate(&e1));
@@ -374,12 +424,20 @@ int main(int argc, char** argv) {
   std::vector<Variant> vs;
   vs.push_back({"today first: lt f32, beta 0", [&] { lt32.run(x[0], g, sum, 0.f, s); }, {}});
   vs.push_back({"pair first, coop: bf16 + rest out", coop[0], {}});
+  vs.push_back({"pair first, coop epi 128x64", wide[0], {}});
   vs.push_back({"pair first, ping", ping[0], {}});
   vs.push_back({"today add: lt f32, beta 1", [&] { lt32.run(x[1], g, sum, 1.f, s); }, {}});
   vs.push_back({"pair add, coop: bf16 + rest in, out", coop[1], {}});
+  vs.push_back({"pair add, coop epi 128x64", wide[1], {}});
   vs.push_back({"pair add, ping", ping[1], {}});
+  vs.push_back({"pair add, coop, value as aux", coop[6], {}});
+  vs.push_back({"  coop add, rest not read", coop[3], {}});
+  vs.push_back({"  coop add, rest not written", coop[4], {}});
+  vs.push_back({"  coop add, neither (bf16 C only)", coop[5], {}});
+  vs.push_back({"  ping add, neither (bf16 C only)", ping[5], {}});
   vs.push_back({"today final: cutlass f32 C", [&] { f32_store.run(s); }, {}});
   vs.push_back({"pair final, coop: bf16 + rest C", coop[2], {}});
+  vs.push_back({"pair final, coop epi 128x64", wide[2], {}});
   vs.push_back({"pair final, ping", ping[2], {}});
   for (auto& v : vs) v.run();
   CUDA_OK(cudaStreamSynchronize(s));
