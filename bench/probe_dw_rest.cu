@@ -126,7 +126,7 @@ struct Config {
   using Element = cutlass::bfloat16_t;
   using Tile = Tile_;
   using Cluster = Cluster_;
-  using EpiTile = EpiTile_;  // what EpilogueTileAuto picks for the tile
+  using EpiTile = EpiTile_;  // the epilogue's subtile (EpilogueTileAuto's pick but for CooperativeWide)
   using MainSchedule = MainSchedule_;
   using Schedule = Schedule_;
   using Layout = cutlass::layout::RowMajor;
