@@ -11,14 +11,11 @@
 //
 // Build: the CMake target probe_dw_rest of a CUDA build for 90a. Run: build-cuda/tools/probe_dw_rest
 // V H K rounds (llama3-8b's chunk: 128256 4096 2816 5).
-#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <type_traits>
@@ -31,25 +28,9 @@
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "probe_common.cuh"
 
 using namespace cute;
-
-#define CUDA_OK(x)                                                          \
-  do {                                                                      \
-    cudaError_t e_ = (x);                                                   \
-    if (e_ != cudaSuccess) {                                                \
-      printf("cuda %s line %d\n", cudaGetErrorString(e_), __LINE__);        \
-      exit(1);                                                              \
-    }                                                                       \
-  } while (0)
-#define LT_OK(x)                                                            \
-  do {                                                                      \
-    cublasStatus_t s_ = (x);                                                \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                      \
-      printf("cublasLt %d line %d\n", int(s_), __LINE__);                   \
-      exit(1);                                                              \
-    }                                                                       \
-  } while (0)
 
 // ---- the pair's arithmetic, the same on host and device ----
 
@@ -203,16 +184,9 @@ struct RestGemm {
         {static_cast<const typename C::Element*>(g), sa, static_cast<const typename C::Element*>(x), sb},
         {thread, static_cast<const ElementCArg*>(c), sc, static_cast<typename C::Element*>(d), sd}};
     args.hw_info.sm_count = sms;
-    size_t bytes = Gemm::get_workspace_size(args);
-    if (bytes) CUDA_OK(cudaMalloc(&ws, bytes));
-    cutlass::Status st = gemm.can_implement(args);
-    if (st == cutlass::Status::kSuccess) st = gemm.initialize(args, ws);
-    if (st != cutlass::Status::kSuccess) { printf("cutlass init: %s\n", cutlass::cutlassGetStatusString(st)); exit(1); }
+    cutlass_initialize(gemm, args, &ws);
   }
-  void run(cudaStream_t s) {
-    cutlass::Status st = gemm.run(s);
-    if (st != cutlass::Status::kSuccess) { printf("cutlass run: %s\n", cutlass::cutlassGetStatusString(st)); exit(1); }
-  }
+  void run(cudaStream_t s) { cutlass_run(gemm, s); }
 };
 
 // Today's last-chunk store: dW = bf16(alpha P + beta C), C the f32 sum (the library's StoreGemm).
@@ -242,56 +216,10 @@ struct F32Store {
     args.epilogue.thread.alpha_ptr = alpha;
     args.epilogue.thread.beta_ptr = beta;
     args.hw_info.sm_count = sms;
-    size_t bytes = Gemm::get_workspace_size(args);
-    if (bytes) CUDA_OK(cudaMalloc(&ws, bytes));
-    cutlass::Status st = gemm.can_implement(args);
-    if (st == cutlass::Status::kSuccess) st = gemm.initialize(args, ws);
-    if (st != cutlass::Status::kSuccess) { printf("cutlass init: %s\n", cutlass::cutlassGetStatusString(st)); exit(1); }
+    cutlass_initialize(gemm, args, &ws);
   }
-  void run(cudaStream_t s) {
-    cutlass::Status st = gemm.run(s);
-    if (st != cutlass::Status::kSuccess) { printf("cutlass run: %s\n", cutlass::cutlassGetStatusString(st)); exit(1); }
-  }
+  void run(cudaStream_t s) { cutlass_run(gemm, s); }
 };
-
-__global__ void fill_bf16(__nv_bfloat16* p, size_t n, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed; h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
-    p[i] = __float2bfloat16((float(h & 0xffffff) / 16777216.f - 0.5f) * scale);
-  }
-}
-struct LtProduct {  // dW (col-major H x V, ld H) = beta dW + X^T-view * G-view^T, f32 out
-  cublasLtHandle_t lt;
-  cublasLtMatmulDesc_t desc;
-  cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatmulAlgo_t algo;
-  void* ws;
-  size_t ws_bytes = 32u << 20;
-  LtProduct(cublasLtHandle_t h, int V, int H, int K) : lt(h) {
-    LT_OK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t tn = CUBLAS_OP_N, tt = CUBLAS_OP_T;
-    LT_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &tn, sizeof(tn)));
-    LT_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tt, sizeof(tt)));
-    LT_OK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, H, K, H));
-    LT_OK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, V, K, V));
-    LT_OK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, H, V, H));
-    CUDA_OK(cudaMalloc(&ws, ws_bytes));
-    cublasLtMatmulPreference_t pref;
-    LT_OK(cublasLtMatmulPreferenceCreate(&pref));
-    LT_OK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                               sizeof(ws_bytes)));
-    cublasLtMatmulHeuristicResult_t r; int found = 0;
-    LT_OK(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &r, &found));
-    if (!found) { printf("no cuBLASLt algorithm\n"); exit(1); }
-    algo = r.algo;
-  }
-  void run(const void* x, const void* g, void* c, float beta, cudaStream_t s) {
-    const float alpha = 1.f;
-    LT_OK(cublasLtMatmul(lt, desc, &alpha, x, la, g, lb, &beta, c, lc, c, lc, &algo, ws, ws_bytes, s));
-  }
-};
-
-float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 int main(int argc, char** argv) {
   const int V = argc > 1 ? atoi(argv[1]) : 128256, H = argc > 2 ? atoi(argv[2]) : 4096;
@@ -317,7 +245,7 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaMemcpy(beta_up, &upstream, 4, cudaMemcpyHostToDevice));
   cudaStream_t s; CUDA_OK(cudaStreamCreate(&s));
   cublasLtHandle_t lt; LT_OK(cublasLtCreate(&lt));
-  LtProduct lt32(lt, V, H, K);
+  LtProduct lt32(lt, V, H, K, CUDA_R_32F);
 
   std::vector<float> sum_h(vh);
   std::vector<__nv_bfloat16> hi_h(vh), a(vh), b(vh);
@@ -419,40 +347,26 @@ int main(int argc, char** argv) {
   pair_kernels(CooperativeWide{}, "cooperative, epilogue 128x64", wide);
   pair_kernels(Pingpong{}, "ping-pong 128x128", ping);
 
-  cudaEvent_t e0, e1; CUDA_OK(cudaEventCreate(&e0)); CUDA_OK(cudaEventCreate(&e1));
-  struct Variant { const char* name; std::function<void()> run; std::vector<float> ms; };
   std::vector<Variant> vs;
-  vs.push_back({"today first: lt f32, beta 0", [&] { lt32.run(x[0], g, sum, 0.f, s); }, {}});
-  vs.push_back({"pair first, coop: bf16 + rest out", coop[0], {}});
-  vs.push_back({"pair first, coop epi 128x64", wide[0], {}});
-  vs.push_back({"pair first, ping", ping[0], {}});
-  vs.push_back({"today add: lt f32, beta 1", [&] { lt32.run(x[1], g, sum, 1.f, s); }, {}});
-  vs.push_back({"pair add, coop: bf16 + rest in, out", coop[1], {}});
-  vs.push_back({"pair add, coop epi 128x64", wide[1], {}});
-  vs.push_back({"pair add, ping", ping[1], {}});
-  vs.push_back({"pair add, coop, value as aux", coop[6], {}});
-  vs.push_back({"  coop add, rest not read", coop[3], {}});
-  vs.push_back({"  coop add, rest not written", coop[4], {}});
-  vs.push_back({"  coop add, neither (bf16 C only)", coop[5], {}});
-  vs.push_back({"  ping add, neither (bf16 C only)", ping[5], {}});
-  vs.push_back({"today final: cutlass f32 C", [&] { f32_store.run(s); }, {}});
-  vs.push_back({"pair final, coop: bf16 + rest C", coop[2], {}});
-  vs.push_back({"pair final, coop epi 128x64", wide[2], {}});
-  vs.push_back({"pair final, ping", ping[2], {}});
-  for (auto& v : vs) v.run();
-  CUDA_OK(cudaStreamSynchronize(s));
-  for (int round = 0; round < reps; ++round)
-    for (auto& v : vs)
-      for (int i = 0; i < 3; ++i) {
-        CUDA_OK(cudaEventRecord(e0, s)); v.run(); CUDA_OK(cudaEventRecord(e1, s)); CUDA_OK(cudaEventSynchronize(e1));
-        float ms; CUDA_OK(cudaEventElapsedTime(&ms, e0, e1)); v.ms.push_back(ms);
-      }
-  const double flops = 2.0 * V * H * K;
-  printf("V %d H %d K %d, %d SMs, %d timings each (medians)\n", V, H, K, sms, 3 * reps);
-  for (auto& v : vs) {
-    std::sort(v.ms.begin(), v.ms.end());
-    const float med = v.ms[v.ms.size() / 2];
-    printf("%-36s %8.3f ms  %6.1f TFLOP/s  (min %.3f)\n", v.name, med, flops / med / 1e9, v.ms.front());
-  }
+  vs.push_back({"today first: lt f32, beta 0", [&] { lt32.run(x[0], g, sum, 0.f, s); }});
+  vs.push_back({"pair first, coop: bf16 + rest out", coop[0]});
+  vs.push_back({"pair first, coop epi 128x64", wide[0]});
+  vs.push_back({"pair first, ping", ping[0]});
+  vs.push_back({"today add: lt f32, beta 1", [&] { lt32.run(x[1], g, sum, 1.f, s); }});
+  vs.push_back({"pair add, coop: bf16 + rest in, out", coop[1]});
+  vs.push_back({"pair add, coop epi 128x64", wide[1]});
+  vs.push_back({"pair add, ping", ping[1]});
+  vs.push_back({"pair add, coop, value as aux", coop[6]});
+  vs.push_back({"  coop add, rest not read", coop[3]});
+  vs.push_back({"  coop add, rest not written", coop[4]});
+  vs.push_back({"  coop add, neither (bf16 C only)", coop[5]});
+  vs.push_back({"  ping add, neither (bf16 C only)", ping[5]});
+  vs.push_back({"today final: cutlass f32 C", [&] { f32_store.run(s); }});
+  vs.push_back({"pair final, coop: bf16 + rest C", coop[2]});
+  vs.push_back({"pair final, coop epi 128x64", wide[2]});
+  vs.push_back({"pair final, ping", ping[2]});
+  char header[96];
+  snprintf(header, sizeof header, "V %d H %d K %d, %d SMs", V, H, K, sms);
+  time_variants(vs, reps, s, 2.0 * V * H * K, header);
   return 0;
 }

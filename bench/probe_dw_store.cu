@@ -9,7 +9,6 @@
 // Build: the CMake target probe_dw_store of a CUDA build for 90a (cmake --build build-cuda --target
 // probe_dw_store). Run: build-cuda/tools/probe_dw_store V H K rounds (llama3-8b's last chunk:
 // 128256 4096 2816 5).
-#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -26,25 +25,9 @@
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "probe_common.cuh"
 
 using namespace cute;
-
-#define CUDA_OK(x)                                                          \
-  do {                                                                      \
-    cudaError_t e_ = (x);                                                   \
-    if (e_ != cudaSuccess) {                                                \
-      printf("cuda %s line %d\n", cudaGetErrorString(e_), __LINE__);        \
-      exit(1);                                                              \
-    }                                                                       \
-  } while (0)
-#define LT_OK(x)                                                            \
-  do {                                                                      \
-    cublasStatus_t s_ = (x);                                                \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                      \
-      printf("cublasLt %d line %d\n", int(s_), __LINE__);                   \
-      exit(1);                                                              \
-    }                                                                       \
-  } while (0)
 
 template <class Tile, class Cluster, class MainSched, class EpiSched>
 struct DwStore {
@@ -84,24 +67,11 @@ struct DwStore {
     args.epilogue.thread.beta = with_c ? 1.f : 0.f;
     if (scale_c) args.epilogue.thread.beta_ptr = alpha;
     args.hw_info.sm_count = sms;
-    size_t bytes = Gemm::get_workspace_size(args);
-    if (bytes) CUDA_OK(cudaMalloc(&ws, bytes));
-    cutlass::Status st = gemm.can_implement(args);
-    if (st == cutlass::Status::kSuccess) st = gemm.initialize(args, ws);
-    if (st != cutlass::Status::kSuccess) { printf("cutlass init: %s\n", cutlass::cutlassGetStatusString(st)); exit(1); }
+    cutlass_initialize(gemm, args, &ws);
   }
-  void run(cudaStream_t s) {
-    cutlass::Status st = gemm.run(s);
-    if (st != cutlass::Status::kSuccess) { printf("cutlass run: %s\n", cutlass::cutlassGetStatusString(st)); exit(1); }
-  }
+  void run(cudaStream_t s) { cutlass_run(gemm, s); }
 };
 
-__global__ void fill_bf16(__nv_bfloat16* p, size_t n, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed; h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
-    p[i] = __float2bfloat16((float(h & 0xffffff) / 16777216.f - 0.5f) * scale);
-  }
-}
 __global__ void fill_f32(float* p, size_t n, uint32_t seed, float scale) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     uint32_t h = uint32_t(i) * 2246822519u ^ seed; h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
@@ -117,39 +87,6 @@ __global__ void round_scaled(const float4* sum, const float* scale, __nv_bfloat1
     out[2 * i + 1] = __floats2bfloat162_rn(v.z * s, v.w * s);
   }
 }
-
-struct LtProduct {  // dW (col-major H x V, ld H) = beta dW + X^T-view * G-view^T
-  cublasLtHandle_t lt;
-  cublasLtMatmulDesc_t desc;
-  cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatmulAlgo_t algo;
-  void* ws;
-  size_t ws_bytes = 32u << 20;
-  LtProduct(cublasLtHandle_t h, int V, int H, int K, cudaDataType out) : lt(h) {
-    LT_OK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t tn = CUBLAS_OP_N, tt = CUBLAS_OP_T;
-    LT_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &tn, sizeof(tn)));
-    LT_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tt, sizeof(tt)));
-    LT_OK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, H, K, H));
-    LT_OK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, V, K, V));
-    LT_OK(cublasLtMatrixLayoutCreate(&lc, out, H, V, H));
-    CUDA_OK(cudaMalloc(&ws, ws_bytes));
-    cublasLtMatmulPreference_t pref;
-    LT_OK(cublasLtMatmulPreferenceCreate(&pref));
-    LT_OK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                               sizeof(ws_bytes)));
-    cublasLtMatmulHeuristicResult_t r; int found = 0;
-    LT_OK(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &r, &found));
-    if (!found) { printf("no cuBLASLt algorithm\n"); exit(1); }
-    algo = r.algo;
-  }
-  void run(const void* x, const void* g, void* c, float beta, cudaStream_t s) {
-    const float alpha = 1.f;
-    LT_OK(cublasLtMatmul(lt, desc, &alpha, x, la, g, lb, &beta, c, lc, c, lc, &algo, ws, ws_bytes, s));
-  }
-};
-
-float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 int main(int argc, char** argv) {
   const int V = argc > 1 ? atoi(argv[1]) : 128256, H = argc > 2 ? atoi(argv[2]) : 4096;
@@ -272,45 +209,26 @@ int main(int argc, char** argv) {
     CUDA_OK(cudaMemcpy(scale, &one, 4, cudaMemcpyHostToDevice));
   }
 
-  cudaEvent_t e0, e1; CUDA_OK(cudaEventCreate(&e0)); CUDA_OK(cudaEventCreate(&e1));
-  // prep runs before each timing, outside it.
-  struct Variant { const char* name; std::function<void()> run; std::vector<float> ms; std::function<void()> prep = {}; };
   std::vector<Variant> vs;
-  vs.push_back({"a: lt f32 C+=, round pass", [&] { lt32.run(x, g, c, 1.f, s); round_pass(); }, {}});
-  vs.push_back({"   lt f32 C+= alone", [&] { lt32.run(x, g, c, 1.f, s); }, {}});
-  vs.push_back({"   round pass alone", [&] { round_pass(); }, {}});
-  vs.push_back({"b1: cutlass 128x256 coop C f32", [&] { k1.run(s); }, {}});
-  vs.push_back({"b2: cutlass 256x128 coop C f32", [&] { k2.run(s); }, {}});
-  vs.push_back({"b3: cutlass 128x128 ping C f32", [&] { k3.run(s); }, {}});
-  vs.push_back({"lt bf16 out, beta 0", [&] { lt16.run(x, g, d16, 0.f, s); }, {}});
-  vs.push_back({"lt bf16 C+= (per-chunk round)", [&] { lt16.run(x, g, d16, 1.f, s); }, {}});
-  vs.push_back({"cutlass 128x256 coop beta 0", [&] { k1z.run(s); }, {}});
-  vs.push_back({"cutlass 256x128 coop beta 0", [&] { k2z.run(s); }, {}});
-  vs.push_back({"cutlass 128x128 ping beta 0", [&] { k3z.run(s); }, {}});
+  vs.push_back({"a: lt f32 C+=, round pass", [&] { lt32.run(x, g, c, 1.f, s); round_pass(); }});
+  vs.push_back({"   lt f32 C+= alone", [&] { lt32.run(x, g, c, 1.f, s); }});
+  vs.push_back({"   round pass alone", [&] { round_pass(); }});
+  vs.push_back({"b1: cutlass 128x256 coop C f32", [&] { k1.run(s); }});
+  vs.push_back({"b2: cutlass 256x128 coop C f32", [&] { k2.run(s); }});
+  vs.push_back({"b3: cutlass 128x128 ping C f32", [&] { k3.run(s); }});
+  vs.push_back({"lt bf16 out, beta 0", [&] { lt16.run(x, g, d16, 0.f, s); }});
+  vs.push_back({"lt bf16 C+= (per-chunk round)", [&] { lt16.run(x, g, d16, 1.f, s); }});
+  vs.push_back({"cutlass 128x256 coop beta 0", [&] { k1z.run(s); }});
+  vs.push_back({"cutlass 256x128 coop beta 0", [&] { k2z.run(s); }});
+  vs.push_back({"cutlass 128x128 ping beta 0", [&] { k3z.run(s); }});
   auto restore_kept = [&] { CUDA_OK(cudaMemcpyAsync(kept, c0, vh * 4, cudaMemcpyDeviceToDevice, s)); };
   if (in_place) {
-    vs.push_back({"c4: in place, 6 launches", in_place_by_levels[0].run, {}, restore_kept});
-    vs.push_back({"c2: in place, 4 launches", in_place_by_levels[1].run, {}, restore_kept});
-    vs.push_back({"c1: in place, 3 launches", in_place_by_levels[2].run, {}, restore_kept});
+    vs.push_back({"c4: in place, 6 launches", in_place_by_levels[0].run, restore_kept});
+    vs.push_back({"c2: in place, 4 launches", in_place_by_levels[1].run, restore_kept});
+    vs.push_back({"c1: in place, 3 launches", in_place_by_levels[2].run, restore_kept});
   }
-  for (auto& v : vs) {  // warm
-    if (v.prep) v.prep();
-    v.run();
-  }
-  CUDA_OK(cudaStreamSynchronize(s));
-  for (int round = 0; round < reps; ++round)
-    for (auto& v : vs)
-      for (int i = 0; i < 3; ++i) {
-        if (v.prep) v.prep();
-        CUDA_OK(cudaEventRecord(e0, s)); v.run(); CUDA_OK(cudaEventRecord(e1, s)); CUDA_OK(cudaEventSynchronize(e1));
-        float ms; CUDA_OK(cudaEventElapsedTime(&ms, e0, e1)); v.ms.push_back(ms);
-      }
-  const double flops = 2.0 * V * H * K;
-  printf("V %d H %d K %d, %d SMs, %d timings each (medians)\n", V, H, K, sms, 3 * reps);
-  for (auto& v : vs) {
-    std::sort(v.ms.begin(), v.ms.end());
-    const float med = v.ms[v.ms.size() / 2];
-    printf("%-34s %8.3f ms  %6.1f TFLOP/s  (min %.3f)\n", v.name, med, flops / med / 1e9, v.ms.front());
-  }
+  char header[96];
+  snprintf(header, sizeof header, "V %d H %d K %d, %d SMs", V, H, K, sms);
+  time_variants(vs, reps, s, 2.0 * V * H * K, header);
   return 0;
 }
