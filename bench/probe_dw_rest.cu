@@ -21,16 +21,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "probe_common.cuh"
-
-using namespace cute;
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 
 // ---- the pair's arithmetic, the same on host and device ----
 
@@ -189,38 +181,6 @@ struct RestGemm {
   void run(cudaStream_t s) { cutlass_run(gemm, s); }
 };
 
-// Today's last-chunk store: dW = bf16(alpha P + beta C), C the f32 sum (the library's StoreGemm).
-struct F32Store {
-  using Element = cutlass::bfloat16_t;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Cooperative::Tile, Cooperative::Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, float, Cooperative::Layout, 4, Element,
-      Cooperative::Layout, 8, Cooperative::Schedule>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor, 8, Element,
-      cutlass::layout::RowMajor, 8, float, Cooperative::Tile, Cooperative::Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<int(sizeof(typename Epilogue::SharedStorage))>,
-      Cooperative::MainSchedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  Gemm gemm;
-  void* ws = nullptr;
-  F32Store(int V, int H, int K, const void* g, const void* x, const float* c, void* d, const float* alpha,
-           const float* beta, int sms) {
-    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                                  {V, H, K, 1},
-                                  {static_cast<const Element*>(g), {Int<1>{}, int64_t(V), int64_t(0)},
-                                   static_cast<const Element*>(x), {Int<1>{}, int64_t(H), int64_t(0)}},
-                                  {{}, c, {int64_t(H), Int<1>{}, int64_t(0)}, static_cast<Element*>(d),
-                                   {int64_t(H), Int<1>{}, int64_t(0)}}};
-    args.epilogue.thread.alpha_ptr = alpha;
-    args.epilogue.thread.beta_ptr = beta;
-    args.hw_info.sm_count = sms;
-    cutlass_initialize(gemm, args, &ws);
-  }
-  void run(cudaStream_t s) { cutlass_run(gemm, s); }
-};
-
 int main(int argc, char** argv) {
   const int V = argc > 1 ? atoi(argv[1]) : 128256, H = argc > 2 ? atoi(argv[2]) : 4096;
   const int K = argc > 3 ? atoi(argv[3]) : 2816;
@@ -250,11 +210,13 @@ int main(int argc, char** argv) {
   std::vector<float> sum_h(vh);
   std::vector<__nv_bfloat16> hi_h(vh), a(vh), b(vh);
   std::vector<int8_t> rest_h(vh);
-  // Today's: the f32 sum of two chunks, then the third stored over it at scale 0.37.
+  // Today's: the f32 sum of two chunks, then the third stored over it, both scaled by 0.37.
   lt32.run(x[0], g, sum, 0.f, s);
   lt32.run(x[1], g, sum, 1.f, s);
   CUDA_OK(cudaMemcpyAsync(sum_h.data(), sum, vh * 4, cudaMemcpyDeviceToHost, s));
-  F32Store f32_store(V, H, K, g, x[2], sum, dw_f32, alpha, beta_up, sms);
+  // The library's store of a deferred product: the upstream gradient scales the product and the sum.
+  DwStore<Cooperative::Tile, Cooperative::Cluster, Cooperative::MainSchedule, Cooperative::Schedule> f32_store(
+      V, H, K, g, x[2], sum, dw_f32, beta_up, true, sms, 0, -1, true);
   f32_store.run(s);
   CUDA_OK(cudaMemcpyAsync(a.data(), dw_f32, vh * 2, cudaMemcpyDeviceToHost, s));
   CUDA_OK(cudaStreamSynchronize(s));
@@ -267,8 +229,8 @@ int main(int argc, char** argv) {
     const typename C::StrideRest rest_stride = make_stride(int64_t(H), Int<1>{}, int64_t(0));
     auto scalar = [](const float* p) { return typename C::Scalar::Arguments{{1.f}, {p}, {}}; };
     // Callbacks' arguments: a tree's children then its node; the split tree's input, aux trees, output.
-    auto joined_args = [&](const float* beta, const int8_t* rest_in = nullptr) {
-      return typename C::Joined::Arguments{scalar(alpha), {}, scalar(beta), {}, {rest_in, int8_t(0), rest_stride}, {}};
+    auto joined_args = [&](const float* a, const float* b, const int8_t* rest_in) {
+      return typename C::Joined::Arguments{scalar(a), {}, scalar(b), {}, {rest_in, int8_t(0), rest_stride}, {}};
     };
     // Where the rest's pointer is null, its load (the rest taken as 0) or its store is skipped.
     auto rest_out_c = [&](int8_t* rest_to) {
@@ -281,12 +243,12 @@ int main(int argc, char** argv) {
     auto* first = new RestGemm<C, void, typename C::FirstCallbacks>(V, H, K, g, x[0], first_args, nullptr, hi, sms);
     using Add = RestGemm<C, typename C::Element, typename C::AddCallbacks>;
     auto add_with = [&](const int8_t* rest_in, int8_t* rest_to) {
-      return new Add(V, H, K, g, x[1], typename C::AddCallbacks::Arguments{joined_args(beta_one, rest_in),
+      return new Add(V, H, K, g, x[1], typename C::AddCallbacks::Arguments{joined_args(alpha, beta_one, rest_in),
                                                                            rest_out_c(rest_to), {}}, hi, hi, sms);
     };
     Add* add = add_with(rest, rest);
     auto* last = new RestGemm<C, typename C::Element, typename C::FinalCallbacks>(
-        V, H, K, g, x[2], joined_args(beta_up, rest), hi, dw_rest, sms);
+        V, H, K, g, x[2], joined_args(beta_up, beta_up, rest), hi, dw_rest, sms);
     first->run(s);
     add->run(s);
     CUDA_OK(cudaMemcpyAsync(hi_h.data(), hi, vh * 2, cudaMemcpyDeviceToHost, s));

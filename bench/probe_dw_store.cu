@@ -19,58 +19,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "probe_common.cuh"
-
-using namespace cute;
-
-template <class Tile, class Cluster, class MainSched, class EpiSched>
-struct DwStore {
-  using A = cutlass::bfloat16_t;
-  using LayoutA = cutlass::layout::ColumnMajor;  // A(v, k) = G[k * V + v]
-  using LayoutB = cutlass::layout::RowMajor;     // B(k, h) = X[k * H + h]
-  using LayoutC = cutlass::layout::RowMajor;     // dW[v * H + h]
-  using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, float, LayoutC, 4, cutlass::bfloat16_t,
-      LayoutC, 8, EpiSched>::CollectiveOp;
-  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, A, LayoutA, 8, A, LayoutB, 8, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
-      MainSched>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-
-  Gemm gemm;
-  void* ws = nullptr;
-  typename Gemm::Arguments args;
-  // Rows [first, first + rows) of dW (all of them by default); G's rows are V apart. The scale
-  // multiplies the product, and with scale_c C too (the upstream gradient of a deferred product).
-  DwStore(int V, int H, int K, const void* g, const void* x, const float* c, void* d, const float* alpha, bool with_c,
-          int sms, int first = 0, int rows = -1, bool scale_c = false) {
-    if (rows < 0) rows = V - first;
-    typename Kernel::StrideA sa = make_stride(Int<1>{}, int64_t(V), int64_t(0));
-    typename Kernel::StrideB sb = make_stride(Int<1>{}, int64_t(H), int64_t(0));
-    typename Kernel::StrideC sc = make_stride(int64_t(H), Int<1>{}, int64_t(0));
-    typename Kernel::StrideD sd = make_stride(int64_t(H), Int<1>{}, int64_t(0));
-    args = typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGemm,
-                                    {rows, H, K, 1},
-                                    {static_cast<const A*>(g) + first, sa, static_cast<const A*>(x), sb},
-                                    {{}, c, sc, static_cast<cutlass::bfloat16_t*>(d), sd}};
-    args.epilogue.thread.alpha = 1.f;
-    args.epilogue.thread.alpha_ptr = alpha;
-    args.epilogue.thread.beta = with_c ? 1.f : 0.f;
-    if (scale_c) args.epilogue.thread.beta_ptr = alpha;
-    args.hw_info.sm_count = sms;
-    cutlass_initialize(gemm, args, &ws);
-  }
-  void run(cudaStream_t s) { cutlass_run(gemm, s); }
-};
 
 __global__ void fill_f32(float* p, size_t n, uint32_t seed, float scale) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
