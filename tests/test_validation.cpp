@@ -670,6 +670,38 @@ TEST_P(Validation, KeptWeightSumTail) {
     expect_tail_rejected(c, tail, "options.grad_weight_sum_tail",
                          [](LossArgs& a) { a.grads.grad_weight = lmloss_tensor_none(); });
   }
+  // A u8 tail: the rests of a bf16 grad_weight's values, one for every weight.
+  {  // the rows of an f32 tail, not every row
+    LossCase c = bf16_case();
+    Buffer tail(device(), LMLOSS_U8, 2, least, hidden);
+    expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", no_edit);
+  }
+  {  // another width
+    LossCase c = bf16_case();
+    Buffer tail(device(), LMLOSS_U8, 2, vocab, hidden + 1);
+    expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", no_edit);
+  }
+  {  // an f16 grad_weight
+    LossSetup s;
+    s.device = device();
+    s.dtype = LMLOSS_F16;
+    s.grad_dtype = LMLOSS_F16;
+    LossCase c(gen.problem({.n_tokens = 6, .vocab = vocab, .hidden = hidden}), lmloss_loss_options_default(), s);
+    Buffer tail(device(), LMLOSS_U8, 2, vocab, hidden);
+    expect_tail_rejected(c, tail, "grads.grad_weight", no_edit);
+  }
+  {  // an f32 grad_weight
+    LossCase c = linear_case();
+    Buffer tail(device(), LMLOSS_U8, 2, c.problem().vocab, c.problem().hidden);
+    expect_tail_rejected(c, tail, "grads.grad_weight", no_edit);
+  }
+  {  // over grad_weight's own bytes
+    LossCase c = bf16_case();
+    Buffer tail(device(), LMLOSS_U8, 2, vocab, hidden);
+    expect_tail_rejected(c, tail, "options.grad_weight_sum_tail", [&](LossArgs& a) {
+      a.options.grad_weight_sum_tail.data = static_cast<char*>(a.grads.grad_weight.data) + 16;
+    });
+  }
 }
 
 // Options of 0.1's and 0.2's sizes, before grad_weight_sum_tail and before grad_weight_deferred,

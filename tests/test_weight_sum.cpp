@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/weight_sum_rest.hpp"
 #include "harness.hpp"
 #include "lmloss/lmloss.hpp"
 
@@ -250,6 +251,139 @@ TEST_P(KeptWeightSum, TailServesWhereTheBudgetCannotHoldTheSum) {
   ASSERT_EQ(lmloss_round_grad_weight(ctx.get(), &grad_t, &tail_t, nullptr), LMLOSS_SUCCESS) << lmloss_last_error();
   c.grad_weight.download();
   EXPECT_TRUE(close_to(c.grad_weight.values(), c.reference().grad_weight, tolerance(dtype())));
+}
+
+// The sum kept as a bf16 grad_weight's values and a u8 tail of their 8-bit rests: after two
+// micro-batches in a few chunks each, the pair reads back as the same calls' f32 sum within
+// ~1e-5 (the bf16 values alone are ~1e-3 from it: the rests must be written and read), rounds with
+// a scale as that sum rounded once (but for values on a rounding boundary), every value written,
+// each tensor's padding untouched and the tail only read by the rounding; the float64 reference
+// within bf16's tolerance. Cross-entropy with every option, and distillation mixed with it; an
+// odd vocabulary and width, one token in the first micro-batch, a vocabulary narrower than a
+// vector, padded rows.
+TEST_P(KeptWeightSum, RestsBesideTheValuesHoldTheF32Sum) {
+  if (dtype() != LMLOSS_BF16) GTEST_SKIP() << "rests are kept beside a bf16 grad_weight";
+  Generator gen(5104);
+  struct RestShape {
+    int64_t n_tokens, vocab, hidden, row_padding;
+  };
+  for (const RestShape shape : {RestShape{300, 1999, 72, 0}, RestShape{200, 1000, 37, 0}, RestShape{2, 503, 16, 0},
+                                RestShape{40, 5, 64, 0}, RestShape{300, 1024, 64, 8}}) {
+    for (const char* name : {"everything", "distill_mixed"}) {
+      SCOPED_TRACE(cat(name, " N ", shape.n_tokens, " V ", shape.vocab, " H ", shape.hidden, " padding ",
+                       shape.row_padding));
+      lmloss_loss_options o = lmloss_loss_options_default();
+      int64_t top_k = 0;
+      if (std::string(name) == "everything") {
+        o.label_smoothing = 0.05;
+        o.z_loss = 1e-3;
+        o.softcap = 8.0;
+        o.temperature = 0.8;
+      } else {
+        o.ce_weight = 0.4;
+        o.kd_weight = 0.9;
+        top_k = 4;
+      }
+      const reference::Problem p = rounded(
+          gen.problem({.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden, .top_k = top_k}),
+          dtype());
+      const int64_t n1 = shape.n_tokens == 2 ? 1 : shape.n_tokens / 3;
+      const int64_t vocab = p.vocab, hidden = p.hidden, ld = hidden + shape.row_padding;
+      ctx.set_workspace_budget(budget_for_rows(64, vocab, hidden));
+
+      Buffer x = Buffer::of_values(device(), dtype(), p.hidden_states, 2, p.n_tokens, hidden);
+      Buffer w = Buffer::of_values(device(), dtype(), p.weight, 2, vocab, hidden);
+      Buffer labels = Buffer::of_ids(device(), LMLOSS_I64, p.labels, 1, p.n_tokens);
+      Buffer ids, probs;
+      if (top_k > 0) {
+        ids = Buffer::of_ids(device(), LMLOSS_I32, p.teacher_ids, 2, p.n_tokens, top_k);
+        probs = Buffer::of_values(device(), LMLOSS_F32, p.teacher_probs, 2, p.n_tokens, top_k);
+      }
+      for (Buffer* b : {&x, &w, &labels, &ids, &probs})
+        if (b->present()) b->upload();
+      Buffer loss(device(), LMLOSS_F32, 0, 1);
+      auto rows_of = [](lmloss_tensor t, int64_t r0, int64_t r1) {
+        t.data = static_cast<char*>(t.data) + r0 * (t.ndim == 2 ? t.shape[1] : 1) * int64_t(dtype_size(t.dtype));
+        t.shape[0] = r1 - r0;
+        return t;
+      };
+      auto run_batches = [&](const lmloss_tensor& grad_weight, lmloss_loss_options options) {
+        for (const auto& [r0, r1] : {std::pair<int64_t, int64_t>{0, n1}, {n1, p.n_tokens}}) {
+          const lmloss_head head{lmloss_tensor_none(), rows_of(x.tensor(), r0, r1), w.tensor(), lmloss_tensor_none()};
+          const lmloss_targets targets{rows_of(labels.tensor(), r0, r1),
+                                       ids.present() ? rows_of(ids.tensor(), r0, r1) : lmloss_tensor_none(),
+                                       probs.present() ? rows_of(probs.tensor(), r0, r1) : lmloss_tensor_none(),
+                                       lmloss_tensor_none()};
+          const lmloss_grads grads{lmloss_tensor_none(), lmloss_tensor_none(), grad_weight, lmloss_tensor_none()};
+          const lmloss_tensor loss_t = loss.tensor(), none = lmloss_tensor_none();
+          if (r0 > 0) options.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT;
+          ASSERT_EQ(lmloss_loss_forward_backward(ctx.get(), &head, &targets, &options, nullptr, &loss_t, &none, &grads),
+                    LMLOSS_SUCCESS)
+              << lmloss_last_error();
+        }
+      };
+
+      // The pair, its rests first set to +127 (half an ulp), which a value left unwritten would show.
+      Buffer kept(device(), dtype(), 2, vocab, hidden, ld);
+      Buffer rests(device(), LMLOSS_U8, 2, vocab, hidden, hidden + 2 * shape.row_padding);
+      kept.poison();
+      rests.poison();
+      for (int64_t i = 0; i < vocab * hidden; ++i) rests.set_id(i, 127);
+      rests.snapshot();
+      kept.upload();
+      rests.upload();
+      lmloss_loss_options kept_options = o;
+      kept_options.grad_weight_sum_tail = rests.tensor();
+      ASSERT_NO_FATAL_FAILURE(run_batches(kept.tensor(), kept_options));
+      ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      kept.download();
+      rests.download();
+      EXPECT_TRUE(fully_written(kept));
+      EXPECT_TRUE(rests.padding_untouched());
+
+      Buffer wide(device(), LMLOSS_F32, 2, vocab, hidden);
+      wide.poison();
+      wide.upload();
+      ASSERT_NO_FATAL_FAILURE(run_batches(wide.tensor(), o));
+      ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      wide.download();
+
+      // The pair read back against the f32 sum, relative over all of dW; the values alone beside it.
+      const int64_t count = vocab * hidden;
+      double err = 0, err_values = 0, norm = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t byte = rests.get_id(i);
+        const auto rest = int8_t(byte >= 128 ? byte - 256 : byte);
+        const double want = wide.get(i), value = kept.get(i);
+        const double pair = lmloss::core::rest_join(float(value), rest);
+        err += (pair - want) * (pair - want);
+        err_values += (value - want) * (value - want);
+        norm += want * want;
+      }
+      EXPECT_LT(std::sqrt(err / norm), 3e-5) << "the values alone: " << std::sqrt(err_values / norm);
+      EXPECT_GT(std::sqrt(err_values / norm), 3e-4);  // what the check tells apart
+
+      // Rounded with a scale: as the f32 sum rounded once; the rests only read.
+      rests.snapshot();
+      Buffer scale = Buffer::of_values(device(), LMLOSS_F32, {0.75}, 0, 1);
+      scale.upload();
+      const lmloss_tensor kept_t = kept.tensor(), rests_t = rests.tensor(), scale_t = scale.tensor();
+      ASSERT_EQ(lmloss_round_grad_weight(ctx.get(), &kept_t, &rests_t, &scale_t), LMLOSS_SUCCESS)
+          << lmloss_last_error();
+      ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
+      kept.download();
+      rests.download();
+      EXPECT_TRUE(rests.untouched());
+      EXPECT_TRUE(kept.padding_untouched());
+      EXPECT_TRUE(rounded_once_from(kept, wide, count, 0.75f, 0));
+
+      const reference::LossResult first = reference::loss(tokens_of(p, 0, n1), o);
+      const reference::LossResult second = reference::loss(tokens_of(p, n1, p.n_tokens), o);
+      std::vector<double> want(static_cast<size_t>(count));
+      for (int64_t i = 0; i < count; ++i) want[i] = 0.75 * (first.grad_weight[i] + second.grad_weight[i]);
+      EXPECT_TRUE(close_to(kept.values(), want, tolerance(dtype())));
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(, KeptWeightSum,

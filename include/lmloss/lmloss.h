@@ -203,7 +203,13 @@ typedef enum lmloss_reduction {
  * matrix, which each token chunk's product fills at once; else, on CUDA, each chunk takes one
  * product batched over both parts where the tail lies above those rows and split = vocab / 2, and
  * two products where not. This macro
- * gives the smallest tail; with tail_rows = vocab, grad_weight's bytes are unused until rounding. */
+ * gives the smallest tail; with tail_rows = vocab, grad_weight's bytes are unused until rounding.
+ *
+ * A bf16 grad_weight's sum can instead be kept in 3 bytes a weight: its bf16 values in
+ * grad_weight itself and an 8-bit rest of each in a u8 (vocab, hidden) tail, the library's own
+ * encoding (any row strides). The pair holds ~16 significant bits, within ~1e-5 of the f32 sum
+ * over a few chunks or micro-batches, and rounds as it does but for values on a rounding
+ * boundary; grad_weight reads as the sum rounded to bf16 even before lmloss_round_grad_weight. */
 #define LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab) ((vocab) - (vocab) / 16 * 8)
 
 typedef struct lmloss_loss_options {
@@ -348,8 +354,8 @@ LMLOSS_API lmloss_status lmloss_scale_gradient(lmloss_context* context, const lm
                                                const lmloss_tensor* scale, const lmloss_tensor* out);
 
 /* grad_weight = round(sum * scale): the f32 sum a call kept in grad_weight's own bytes and in
- * `tail` (options.grad_weight_sum_tail), rounded once into grad_weight's bf16/f16, in place; the
- * tail is only read. grad_weight and tail as the call that kept the sum had them; scale: one f32
+ * `tail` (options.grad_weight_sum_tail), or the bf16 values and a u8 tail of their rests, rounded
+ * once into grad_weight's bf16/f16, in place; the tail is only read. grad_weight and tail as the call that kept the sum had them; scale: one f32
  * element on their device, or NULL for 1. Afterwards grad_weight holds the gradient and no sum:
  * a later call starts a new one (without LMLOSS_ACCUMULATE_GRAD_WEIGHT). On the context's stream;
  * nothing waits. */

@@ -197,7 +197,8 @@ inline void scale_gradient(Context& ctx, Tensor grad, Tensor scale, Tensor out) 
   check(lmloss_scale_gradient(ctx.get(), &grad, scale.data ? &scale : nullptr, &out));
 }
 
-// A 16-bit grad_weight's kept f32 sum (options.grad_weight_sum_tail) rounded once into it.
+// A 16-bit grad_weight's kept f32 sum (options.grad_weight_sum_tail), or a bf16 one's values and
+// u8 tail of rests, rounded once into it.
 inline void round_grad_weight(Context& ctx, Tensor grad_weight, Tensor tail, Tensor scale = {}) {
   check(lmloss_round_grad_weight(ctx.get(), &grad_weight, &tail, scale.data ? &scale : nullptr));
 }

@@ -76,10 +76,11 @@ struct ScaleCall {
 };
 
 // A validated lmloss_round_grad_weight: a 16-bit grad_weight = round(sum * scale), the f32 sum's
-// rows [0, split) in grad_weight's own bytes (row r at byte 4 r hidden), the rest in `tail`.
+// rows [0, split) in grad_weight's own bytes (row r at byte 4 r hidden), the rest in `tail`; or,
+// with a u8 tail, a bf16 grad_weight's values and the tail's rests of them (split 0).
 struct WeightSumCall {
   lmloss_tensor grad_weight{};  // (vocab, hidden) bf16 or f16
-  lmloss_tensor tail{};         // (vocab - split, hidden) f32
+  lmloss_tensor tail{};         // (vocab - split, hidden) f32, or (vocab, hidden) u8
   lmloss_tensor scale{};        // one f32, optional (1)
   lmloss_tensor deferred{};     // u8: a step's last chunk's dW product, optional (see
                                 // lmloss_round_grad_weight_deferred)
@@ -90,6 +91,10 @@ struct WeightSumCall {
   lmloss_device_type device_type = LMLOSS_DEVICE_CPU;
   int32_t device_index = 0;
 };
+
+// Whether a kept sum is a bf16 grad_weight's values and a u8 tail of their 8-bit rests
+// (core/weight_sum_rest.hpp), not an f32 sum.
+inline bool weight_sum_keeps_rests(const lmloss_tensor& tail) { return tail.data && tail.dtype == LMLOSS_U8; }
 
 // Whether a 16-bit grad_weight's own bytes may hold rows of its f32 sum: its rows dense and
 // 16-byte aligned (the bytes between strided rows may be another tensor's).

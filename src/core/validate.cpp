@@ -278,12 +278,12 @@ lmloss_status check_deferred(const lmloss_tensor& deferred, const char* name) {
 // A 16-bit grad_weight's f32 sum kept in its own bytes (rows [0, split)) and in the caller's tail
 // (rows [split, vocab)): the layout both the loss calls and lmloss_round_grad_weight rely on.
 // Fills `split`.
-lmloss_status check_weight_sum(const lmloss_tensor& grad_weight, const char* grad_name, const lmloss_tensor& tail,
-                               const char* tail_name, int64_t vocab, int64_t hidden, int64_t& split) {
+lmloss_status check_f32_weight_sum(const lmloss_tensor& grad_weight, const char* grad_name, const lmloss_tensor& tail,
+                                   const char* tail_name, int64_t vocab, int64_t hidden, int64_t& split) {
   if (grad_weight.dtype != LMLOSS_BF16 && grad_weight.dtype != LMLOSS_F16)
     return invalid(grad_name, std::string("dtype ") + dtype_name(grad_weight.dtype) +
                                   ": a kept f32 sum is for a bf16 or f16 grad_weight (an f32 one is the sum itself)");
-  LMLOSS_CHECK(expect_dtype(tail, tail_name, LMLOSS_F32, LMLOSS_F32, "f32"));
+  LMLOSS_CHECK(expect_dtype(tail, tail_name, LMLOSS_F32, LMLOSS_U8, "f32 (or u8 with a bf16 grad_weight)"));
   const int64_t least = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab);
   if (tail.ndim != 2 || tail.shape[1] != hidden || tail.shape[0] < vocab - vocab / 2 || tail.shape[0] > vocab)
     return invalid(tail_name, "expected shape (tail_rows, hidden = " + std::to_string(hidden) + ") with tail_rows in [" +
@@ -297,6 +297,25 @@ lmloss_status check_weight_sum(const lmloss_tensor& grad_weight, const char* gra
   if (split > 0 && !weight_sum_fits_in_place(grad_weight, hidden))
     return invalid(grad_name, "holds rows of the f32 sum, so its rows must be dense (row stride = hidden) and its "
                               "data 16-byte aligned; a tail of vocab rows leaves its bytes alone");
+  return LMLOSS_SUCCESS;
+}
+
+// Either form of a kept sum (see check_f32_weight_sum and core/weight_sum_rest.hpp), by the tail's
+// dtype. Fills `split` (0 for rests: no rows of an f32 sum in grad_weight's bytes).
+lmloss_status check_weight_sum(const lmloss_tensor& grad_weight, const char* grad_name, const lmloss_tensor& tail,
+                               const char* tail_name, int64_t vocab, int64_t hidden, int64_t& split) {
+  if (tail.dtype == LMLOSS_U8) {  // the sum as grad_weight's bf16 values and the tail's 8-bit rests
+    if (grad_weight.dtype != LMLOSS_BF16)
+      return invalid(grad_name, std::string("dtype ") + dtype_name(grad_weight.dtype) +
+                                    ": a kept sum with a u8 tail of rests is for a bf16 grad_weight");
+    if (tail.ndim != 2 || tail.shape[0] != vocab || tail.shape[1] != hidden)
+      return invalid(tail_name, "a u8 tail holds the rest of every weight of the sum: expected shape (vocab = " +
+                                    std::to_string(vocab) + ", hidden = " + std::to_string(hidden) + "), got " +
+                                    shape_string(tail));
+    split = 0;
+  } else {
+    LMLOSS_CHECK(check_f32_weight_sum(grad_weight, grad_name, tail, tail_name, vocab, hidden, split));
+  }
   if (tail.device_type == grad_weight.device_type && tail.device_index == grad_weight.device_index &&
       share_bytes(tail, grad_weight))
     return invalid(tail_name, "overlaps grads.grad_weight");

@@ -27,6 +27,7 @@
 #include "core/context.hpp"
 #include "core/dtype.hpp"
 #include "core/row_math.hpp"
+#include "core/weight_sum_rest.hpp"
 #include "cpu/blas.hpp"
 #include "cpu/row_loops.hpp"
 #include "cpu/vector_exp.hpp"
@@ -221,6 +222,34 @@ size_t own_weight_sum_bytes(const LossCall& call) {
          sizeof(float);
 }
 
+// A kept sum of bf16 values and 8-bit rests (core/weight_sum_rest.hpp) takes each chunk's dW
+// product a slice of this many vocabulary rows at a time, in f32, then folds it into the pair.
+constexpr int64_t kRestSliceRows = 256;
+
+size_t rest_slice_bytes(const LossCall& call) {
+  if (!call.wants_grads() || !call.grads.grad_weight.data || !core::weight_sum_keeps_rests(call.options.grad_weight_sum_tail))
+    return 0;
+  return size_t(std::min(call.vocab, kRestSliceRows)) * size_t(call.hidden) * sizeof(float);
+}
+
+// Rows [0, count) of a slice of dW's product (f32, dense) into the kept pair's rows there: s =
+// product (+ the pair's value when adding), stored as bf16(s) and its rest.
+void fold_into_rests(const float* product, int64_t count, int64_t hidden, bool add, void* values, int64_t values_ld,
+                     uint8_t* rests, int64_t rests_ld, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < count; ++r) {
+    auto* hi = static_cast<uint16_t*>(values) + r * values_ld;
+    auto* rest = reinterpret_cast<int8_t*>(rests + r * rests_ld);
+    for (int64_t j = 0; j < hidden; ++j) {
+      float sum = product[r * hidden + j];
+      if (add) sum += core::rest_join(core::rest_bf16_value(hi[j]), rest[j]);
+      const core::RestPair pair = core::rest_split(sum);
+      hi[j] = pair.hi;
+      rest[j] = pair.rest;
+    }
+  }
+}
+
 // grad_weight = round(sum * scale), the sum's rows [0, split) over grad_weight's own bytes and
 // the rest in the tail. Row u's 16-bit values go over f32 row u / 2, so rows [a, 2a) can be
 // narrowed together once rows below a are (row 0, whose values go over its own, through a copy).
@@ -228,6 +257,16 @@ void round_weight_sum(const WeightSumCall& call, int threads) {
   const float scale = call.scale.data ? *static_cast<const float*>(call.scale.data) : 1.0f;
   const int64_t hidden = call.hidden;
   const lmloss_tensor& out = call.grad_weight;
+  if (core::weight_sum_keeps_rests(call.tail)) {  // bf16(scale * (value + rest)), in place
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < call.vocab; ++r) {
+      auto* hi = static_cast<uint16_t*>(core::row_ptr_mut(out, r));
+      const auto* rest = static_cast<const int8_t*>(core::row_ptr(call.tail, r));
+      for (int64_t j = 0; j < hidden; ++j)
+        hi[j] = core::rest_bf16_bits(scale * core::rest_join(core::rest_bf16_value(hi[j]), rest[j]));
+    }
+    return;
+  }
   auto* bytes = static_cast<char*>(out.data);
   auto narrow = [&](const float* in, int64_t row) {
     void* dst = core::row_ptr_mut(out, row);
@@ -464,7 +503,9 @@ class LossRunner {
     // at the end; the caller's values widened first when the call adds to them).
     const bool dw_sum = wants_grads && g.grad_weight.data && !dw_direct;
     const bool dw_kept = dw_sum && call.options.grad_weight_sum_tail.data;
-    Workspace<C> dx, own_tail, db;
+    const bool dw_rests = dw_kept && core::weight_sum_keeps_rests(call.options.grad_weight_sum_tail);
+    Workspace<C> dx, own_tail, db, rest_slice;
+    if (dw_rests) rest_slice = Workspace<C>(context_, rest_slice_bytes(call) / sizeof(C));
     lmloss_tensor sum_tail = call.options.grad_weight_sum_tail;
     const int64_t split = !dw_sum  ? 0
                           : dw_kept ? call.weight_sum_split
@@ -513,7 +554,16 @@ class LossRunner {
           chunks.grad_weight(rows, z.get(), beta, static_cast<C*>(g.grad_weight.data), core::row_stride(g.grad_weight));
         } else if constexpr (std::is_same_v<C, float>) {  // a 16-bit dW: 16-bit inputs, f32 compute
           auto* in_place = static_cast<C*>(g.grad_weight.data);
-          if (dw_one_matrix) {
+          if (dw_rests) {
+            for (int64_t v0 = 0; v0 < vocab; v0 += kRestSliceRows) {
+              const int64_t v1 = std::min(vocab, v0 + kRestSliceRows);
+              chunks.grad_weight_rows(v0, v1, rows, z.get(), C(0), rest_slice.get(), hidden);
+              fold_into_rests(rest_slice.get(), v1 - v0, hidden, add, core::row_ptr_mut(g.grad_weight, v0),
+                              core::row_stride(g.grad_weight),
+                              static_cast<uint8_t*>(core::row_ptr_mut(sum_tail, v0)), core::row_stride(sum_tail),
+                              threads_);
+            }
+          } else if (dw_one_matrix) {
             chunks.grad_weight_rows(0, vocab, rows, z.get(), beta, in_place, hidden);
           } else {
             chunks.grad_weight_rows(0, split, rows, z.get(), beta, in_place, hidden);
@@ -848,7 +898,7 @@ class CpuBackend final : public core::Backend {
     size_t per_row = s;  // the row's loss
     if (call.wants_grads()) {
       if (g.grad_hidden.data && g.grad_hidden.dtype != c) per_row += size_t(call.hidden) * s;
-      fixed += own_weight_sum_bytes(call);
+      fixed += own_weight_sum_bytes(call) + rest_slice_bytes(call);
       if (g.grad_bias.data) fixed += size_t(call.vocab) * s;
     }
     const auto plan_head_in = f64 ? &plan_head<double> : &plan_head<float>;

@@ -358,8 +358,13 @@ MatmulShape logits_product(const Call& call, int64_t rows, int64_t logits_ld, si
 
 enum LossPiece {
   kLogitsChunk, kGradChunk, kPartials, kMatmulWs, kSideMatmulWs, kProductWs, kSparse, kLabelS, kExpShift,
-  kRowScale, kLabelGrad, kLabelOrder, kLargeList, kEntryKeys, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kLossPieces
+  kRowScale, kLabelGrad, kLabelOrder, kLargeList, kEntryKeys, kScalars, kTokenLoss, kBiasF32, kBiasGrad, kRestSlice,
+  kLossPieces
 };
+
+// A kept sum of bf16 values and 8-bit rests (core/weight_sum_rest.hpp) takes each chunk's dW
+// product a slice of this many vocabulary rows at a time, in f32, then folds it into the pair.
+constexpr int64_t kRestSliceRows = 1024;
 
 // The vocabulary-sliced dX of a frozen head (run_sliced_dx): dX only, in the exponential form,
 // with labels and no teacher. Instead of token chunks, the statistics product runs at full height
@@ -633,6 +638,8 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     pc[kMatmulWs] = {p.matmul_ws, 0, 256};
     if (call.head.bias.data) pc[kBiasF32].fixed = sizeof(float) * call.vocab;
     if (grads && call.grads.grad_bias.data) pc[kBiasGrad].fixed = sizeof(float) * call.vocab;
+    if (grads && call.grads.grad_weight.data && core::weight_sum_keeps_rests(call.options.grad_weight_sum_tail))
+      pc[kRestSlice] = {sizeof(float) * size_t(std::min(call.vocab, kRestSliceRows)) * size_t(call.hidden), 0, 256};
   }
   int64_t row_limit = call.n_tokens;
   const bool grads_formed = grads_computed(call);
@@ -767,7 +774,8 @@ DeferredProduct deferred_product(const core::LossCall& call, const LossPlan& pla
   const lmloss_grads& g = call.grads;
   const lmloss_tensor& tail = call.options.grad_weight_sum_tail;
   const bool kept_bf16_sum = call.mode == core::Mode::forward_backward && call.linear && g.grad_weight.data &&
-                             tail.data && call.input_dtype == LMLOSS_BF16 && g.grad_weight.dtype == LMLOSS_BF16;
+                             tail.data && !core::weight_sum_keeps_rests(tail) && call.input_dtype == LMLOSS_BF16 &&
+                             g.grad_weight.dtype == LMLOSS_BF16;
   if (!kept_bf16_sum || !plan.row_stats_product || plan.separate_grad || plan.sliced ||
       plan.logits_ld != call.vocab || call.hidden % 8 != 0 || plan_chunk_count(plan, call.n_tokens) < 2)
     return {};
@@ -1084,7 +1092,11 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
   bool store_dw = wide_dw && !kept_dw && plan.row_stats_product && !plan.separate_grad && forms_gradient(a.work) &&
                   call.input_dtype == LMLOSS_BF16 && g.grad_weight.dtype == LMLOSS_BF16 &&
                   row_stride(g.grad_weight) == call.hidden && (chunks > 1 || accumulate_w);
-  if (kept_dw) {
+  const bool rest_dw = kept_dw && core::weight_sum_keeps_rests(kept_tail);
+  if (rest_dw) {  // the pair: bf16 values in grad_weight, rests in the tail, every row
+    dw.rests = static_cast<int8_t*>(kept_tail.data);
+    dw.rests_ld = row_stride(kept_tail);
+  } else if (kept_dw) {
     dw.split = call.weight_sum_split;
     dw.tail = kept_tail.data;
     dw.tail_ld = row_stride(kept_tail);
@@ -1314,6 +1326,21 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         LMLOSS_CHECK(run_weight_grad_store(store, store_ws, r.stream));
       } else {
         const float* beta = add ? &scalars->one : &scalars->zero;
+        if (rest_dw) {  // a slice of vocabulary rows at a time, into f32 and folded into the pair
+          float* slice = static_cast<float*>(piece(kRestSlice));
+          s.ldd = call.hidden;
+          s.d_type = LMLOSS_F32;
+          if (gtype != LMLOSS_F32) s.preferred_tile = CUBLASLT_MATMUL_TILE_128x160;
+          for (int64_t v0 = 0; v0 < call.vocab; v0 += kRestSliceRows) {
+            s.n = std::min(kRestSliceRows, call.vocab - v0);
+            LMLOSS_CHECK(r.state.matmul.run(s, x_rows, grad + v0 * int64_t(core::dtype_size(gtype)), slice, alpha,
+                                            &scalars->zero, matmul_ws, r.stream, r.context.tune_products));
+            LMLOSS_CHECK(launch_fold_rests(slice, s.n, call.hidden, add,
+                                           static_cast<char*>(dw.rows) + v0 * dw.ld * int64_t(sizeof(uint16_t)),
+                                           dw.ld, dw.rests + v0 * dw.rests_ld, dw.rests_ld, r.stream));
+          }
+          s.n = 0;  // nothing more below
+        }
         if (dw_parts_stride > 0) {  // both parts at once: the gradient's columns from split on into the tail
           s.batch = 2;
           s.batch_stride_b = dw.split;
@@ -1694,6 +1721,15 @@ class CudaBackend final : public core::Backend {
 
   lmloss_status run(lmloss_context& context, const core::WeightSumCall& call) override {
     DeviceGuard guard(call.device_index);
+    if (core::weight_sum_keeps_rests(call.tail)) {
+      if (call.deferred.data)
+        return core::fail(LMLOSS_ERROR_UNSUPPORTED, "deferred: a sum kept with rests takes no deferred product "
+                                                    "(lmloss_loss_deferred_bytes gives 0 for its step)");
+      return launch_round_rests(call.grad_weight.data, row_stride(call.grad_weight),
+                                static_cast<const int8_t*>(call.tail.data), row_stride(call.tail), call.vocab,
+                                call.hidden, static_cast<const float*>(call.scale.data),
+                                static_cast<cudaStream_t>(context.stream));
+    }
     if (call.deferred.data) return store_deferred(context, call);
     return round_weight_sum(call.grad_weight.data, call.grad_weight.dtype, row_stride(call.grad_weight), call.split,
                             call.vocab, call.hidden,

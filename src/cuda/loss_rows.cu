@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/dtype.hpp"
+#include "core/weight_sum_rest.hpp"
 #include "cuda/row_stats_product.cuh"
 
 namespace lmloss::cuda {
@@ -737,12 +738,36 @@ __global__ void label_keys_kernel(const void* labels, lmloss_dtype labels_dtype,
 // where every row is aligned for it (a first version, a warp per label and one column per lane
 // at a time, waited on its loads).
 constexpr int kLabelThreads = 128;
+
+// Adds sum to kWidth values of a dW row from column j, rounding once into TOut; or, where the row
+// has rests (a kept pair beside a bf16 dW), into its values and their rests.
+template <typename TOut, int kWidth>
+__device__ __forceinline__ void add_to_weight_row(TOut* row, int8_t* rest_row, int64_t j, const float (&sum)[kWidth]) {
+  Pack<TOut, kWidth>* at = reinterpret_cast<Pack<TOut, kWidth>*>(row + j);
+  Pack<TOut, kWidth> ov = *at;
+  if constexpr (std::is_same_v<TOut, __nv_bfloat16>) {
+    if (rest_row) {
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) {
+        const core::RestPair pair = core::rest_split(core::rest_join(to_float(ov.v[e]), rest_row[j + e]) + sum[e]);
+        ov.v[e] = __ushort_as_bfloat16(pair.hi);
+        rest_row[j + e] = pair.rest;
+      }
+      *at = ov;
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kWidth; ++e) ov.v[e] = from_float<TOut>(to_float(ov.v[e]) + sum[e]);
+  *at = ov;
+}
+
 template <typename TOut, int kWidth>
 __global__ void __launch_bounds__(kLabelThreads)
     add_label_rows_kernel(const uint32_t* keys, const int32_t* tokens, int64_t n_tokens, const LabelRows label,
                           int64_t rows, const __nv_bfloat16* __restrict__ x, int64_t x_ld, int64_t cols,
                           TOut* __restrict__ out, int64_t out_ld, TOut* __restrict__ tail, int64_t tail_ld,
-                          int64_t split) {
+                          int64_t split, int8_t* __restrict__ rests, int64_t rests_ld) {
   const int64_t end = label.row0 + rows;
   for (int64_t p = blockIdx.x; p < n_tokens; p += gridDim.x) {
     const uint32_t key = keys[p];
@@ -752,6 +777,7 @@ __global__ void __launch_bounds__(kLabelThreads)
     int64_t last = p;
     while (last + 1 < n_tokens && keys[last + 1] == key && tokens[last + 1] < end) ++last;
     TOut* o = key < split ? out + int64_t(key) * out_ld : tail + (int64_t(key) - split) * tail_ld;
+    int8_t* rest_row = rests ? rests + int64_t(key) * rests_ld : nullptr;
     for (int64_t j = int64_t(threadIdx.x) * kWidth; j < cols; j += int64_t(blockDim.x) * kWidth) {
       float sum[kWidth] = {};
       for (int64_t q = p; q <= last; ++q) {
@@ -761,11 +787,7 @@ __global__ void __launch_bounds__(kLabelThreads)
 #pragma unroll
         for (int e = 0; e < kWidth; ++e) sum[e] = fmaf(c, __bfloat162float(xv.v[e]), sum[e]);
       }
-      Pack<TOut, kWidth>* at = reinterpret_cast<Pack<TOut, kWidth>*>(o + j);
-      Pack<TOut, kWidth> ov = *at;
-#pragma unroll
-      for (int e = 0; e < kWidth; ++e) ov.v[e] = from_float<TOut>(to_float(ov.v[e]) + sum[e]);
-      *at = ov;
+      add_to_weight_row<TOut, kWidth>(o, rest_row, j, sum);
     }
   }
 }
@@ -777,7 +799,8 @@ template <typename TOut, int kWidth>
 __global__ void __launch_bounds__(kLabelThreads)
     add_large_entries_kernel(const uint32_t* cols, const int32_t* slots, const LargeEntries entries, int64_t n,
                              const LargeEntriesTerms terms, TOut* __restrict__ out, int64_t out_ld,
-                             TOut* __restrict__ tail, int64_t tail_ld, int64_t split) {
+                             TOut* __restrict__ tail, int64_t tail_ld, int64_t split, int8_t* __restrict__ rests,
+                             int64_t rests_ld) {
   const auto* x = static_cast<const __nv_bfloat16*>(terms.x);
   const float token_scale = terms.scalars->token_scale;
   for (int64_t p = blockIdx.x; p < n; p += gridDim.x) {
@@ -789,6 +812,7 @@ __global__ void __launch_bounds__(kLabelThreads)
     int64_t last = p;
     while (last + 1 < n && cols[last + 1] == col) ++last;
     TOut* o = col < split ? out + int64_t(col) * out_ld : tail + (int64_t(col) - split) * tail_ld;
+    int8_t* rest_row = rests ? rests + int64_t(col) * rests_ld : nullptr;
     for (int64_t j = int64_t(threadIdx.x) * kWidth; j < terms.cols; j += int64_t(blockDim.x) * kWidth) {
       float sum[kWidth] = {};
       for (int64_t q = p; q <= last; ++q) {
@@ -805,11 +829,7 @@ __global__ void __launch_bounds__(kLabelThreads)
           sum[e] += fmaf(c, xe, -product_coef * staged);
         }
       }
-      Pack<TOut, kWidth>* at = reinterpret_cast<Pack<TOut, kWidth>*>(o + j);
-      Pack<TOut, kWidth> ov = *at;
-#pragma unroll
-      for (int e = 0; e < kWidth; ++e) ov.v[e] = from_float<TOut>(to_float(ov.v[e]) + sum[e]);
-      *at = ov;
+      add_to_weight_row<TOut, kWidth>(o, rest_row, j, sum);
     }
   }
 }
@@ -1165,10 +1185,12 @@ lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, con
     auto* tail = static_cast<TOut*>(out.tail);
     if (vector)
       add_label_rows_kernel<TOut, 8><<<blocks, kLabelThreads, 0, stream>>>(
-          o.keys, o.tokens, n_tokens, label, rows, xb, x_ld, cols, typed_out, out.ld, tail, out.tail_ld, out.split);
+          o.keys, o.tokens, n_tokens, label, rows, xb, x_ld, cols, typed_out, out.ld, tail, out.tail_ld, out.split,
+          out.rests, out.rests_ld);
     else
       add_label_rows_kernel<TOut, 1><<<blocks, kLabelThreads, 0, stream>>>(
-          o.keys, o.tokens, n_tokens, label, rows, xb, x_ld, cols, typed_out, out.ld, tail, out.tail_ld, out.split);
+          o.keys, o.tokens, n_tokens, label, rows, xb, x_ld, cols, typed_out, out.ld, tail, out.tail_ld, out.split,
+          out.rests, out.rests_ld);
   });
   if (status != LMLOSS_SUCCESS) return status;
   LMLOSS_CUDA_LAUNCHED("add_label_rows_kernel");
@@ -1227,10 +1249,12 @@ lmloss_status launch_add_large_entries(const LargeEntries& entries, const LargeE
     auto* tail = static_cast<TOut*>(out.tail);
     if (vector)
       add_large_entries_kernel<TOut, 8><<<blocks, kLabelThreads, 0, stream>>>(
-          cols.Current(), slots.Current(), entries, n, terms, typed_out, out.ld, tail, out.tail_ld, out.split);
+          cols.Current(), slots.Current(), entries, n, terms, typed_out, out.ld, tail, out.tail_ld, out.split,
+          out.rests, out.rests_ld);
     else
       add_large_entries_kernel<TOut, 1><<<blocks, kLabelThreads, 0, stream>>>(
-          cols.Current(), slots.Current(), entries, n, terms, typed_out, out.ld, tail, out.tail_ld, out.split);
+          cols.Current(), slots.Current(), entries, n, terms, typed_out, out.ld, tail, out.tail_ld, out.split,
+          out.rests, out.rests_ld);
   });
   if (status != LMLOSS_SUCCESS) return status;
   LMLOSS_CUDA_LAUNCHED("add_large_entries_kernel");
@@ -1277,6 +1301,58 @@ lmloss_status launch_regroup_rows(void* base, lmloss_dtype dtype, int64_t rows, 
     for (auto a = starts.rbegin(); a != starts.rend(); ++a) LMLOSS_CHECK(wave(*a, std::min(2 * *a, rows)));
     LMLOSS_CHECK(first_row());
   }
+  return LMLOSS_SUCCESS;
+}
+
+namespace {
+
+// One thread a value of a kept pair's rows (rows x cols), grid-strided.
+constexpr int kRestThreads = 256;
+
+__global__ void __launch_bounds__(kRestThreads)
+    fold_rests_kernel(const float* __restrict__ product, int64_t rows, int64_t cols, bool add,
+                      __nv_bfloat16* __restrict__ values, int64_t values_ld, int8_t* __restrict__ rests,
+                      int64_t rests_ld) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, j = i % cols;
+    __nv_bfloat16& value = values[r * values_ld + j];
+    int8_t& rest = rests[r * rests_ld + j];
+    float s = product[i];
+    if (add) s += core::rest_join(__bfloat162float(value), rest);
+    const core::RestPair pair = core::rest_split(s);
+    value = __ushort_as_bfloat16(pair.hi);
+    rest = pair.rest;
+  }
+}
+
+__global__ void __launch_bounds__(kRestThreads)
+    round_rests_kernel(__nv_bfloat16* __restrict__ values, int64_t values_ld, const int8_t* __restrict__ rests,
+                       int64_t rests_ld, int64_t rows, int64_t cols, const float* scale) {
+  const float by = scale ? *scale : 1.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, j = i % cols;
+    __nv_bfloat16& value = values[r * values_ld + j];
+    value = __ushort_as_bfloat16(core::rest_bf16_bits(by * core::rest_join(__bfloat162float(value), rests[r * rests_ld + j])));
+  }
+}
+
+}  // namespace
+
+lmloss_status launch_fold_rests(const float* product, int64_t rows, int64_t cols, bool add, void* values,
+                                int64_t values_ld, int8_t* rests, int64_t rests_ld, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return LMLOSS_SUCCESS;
+  fold_rests_kernel<<<flat_grid(rows * cols, kRestThreads), kRestThreads, 0, stream>>>(
+      product, rows, cols, add, static_cast<__nv_bfloat16*>(values), values_ld, rests, rests_ld);
+  LMLOSS_CUDA_LAUNCHED("fold_rests_kernel");
+  return LMLOSS_SUCCESS;
+}
+
+lmloss_status launch_round_rests(void* values, int64_t values_ld, const int8_t* rests, int64_t rests_ld, int64_t rows,
+                                 int64_t cols, const float* scale, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return LMLOSS_SUCCESS;
+  round_rests_kernel<<<flat_grid(rows * cols, kRestThreads), kRestThreads, 0, stream>>>(
+      static_cast<__nv_bfloat16*>(values), values_ld, rests, rests_ld, rows, cols, scale);
+  LMLOSS_CUDA_LAUNCHED("round_rests_kernel");
   return LMLOSS_SUCCESS;
 }
 

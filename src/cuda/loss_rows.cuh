@@ -307,7 +307,20 @@ struct WeightGradRows {
   int64_t tail_ld = 0;
   int64_t split = 0;
   lmloss_dtype dtype = LMLOSS_F32;
+  int8_t* rests = nullptr;  // a kept sum of bf16 values (rows, split = vocab) and these rests
+  int64_t rests_ld = 0;     //   (core/weight_sum_rest.hpp), added to as a pair
 };
+// A slice of a kept sum of bf16 values and 8-bit rests: rows [0, rows) of an f32 product (dense,
+// `cols` wide) into the pair's rows, s = product (+ the pair's value when adding), stored as
+// bf16(s) and its rest.
+lmloss_status launch_fold_rests(const float* product, int64_t rows, int64_t cols, bool add, void* values,
+                                int64_t values_ld, int8_t* rests, int64_t rests_ld, cudaStream_t stream);
+
+// lmloss_round_grad_weight of such a sum: values = bf16(scale * (value + rest)), in place; the
+// rests only read. scale: one f32 on the device, or null for 1.
+lmloss_status launch_round_rests(void* values, int64_t values_ld, const int8_t* rests, int64_t rests_ld, int64_t rows,
+                                 int64_t cols, const float* scale, cudaStream_t stream);
+
 // x: the chunk's rows (bf16, row stride x_ld); out (vocab, cols) f32, bf16 or f16; `workspace` as
 // launch_label_order left it.
 lmloss_status launch_add_label_rows(const void* workspace, int64_t n_tokens, const LabelRows& label,
