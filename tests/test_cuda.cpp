@@ -486,9 +486,10 @@ TEST_F(Cuda, SixteenBitWeightGradientIsRoundedOnceFromItsF32Sum) {
 // dW (the step's calls again into one, rounded here), every element written, the reference met,
 // bitwise on a rerun, in less of the step's own workspace. In the exponential form and the
 // gradient pass, alone and after a step into the same sum, in chunks of the product's cluster
-// rows and shorter ones; a vocabulary of 8 (no rows of the sum in place). Nothing is deferred for
-// one chunk, a vocabulary not a multiple of 8 or f16; a buffer of another size is refused, nothing
-// written.
+// rows and shorter ones; a vocabulary of 8 (no rows of the sum in place); the sum in f32 and as
+// the values and their 8-bit rests. Nothing is deferred for one chunk, a vocabulary not a
+// multiple of 8, f16 or rests beside rows not a multiple of 16; a buffer of another size is
+// refused, nothing written.
 TEST_F(Cuda, FusedStepDefersItsLastWeightProductToTheRounding) {
   LMLOSS_REQUIRE_STATISTICS_PRODUCT();
   Generator gen(4050);
@@ -500,13 +501,16 @@ TEST_F(Cuda, FusedStepDefersItsLastWeightProductToTheRounding) {
   // staging of dX and X 6 H (at V 8: 71.7 KB / 384 B = 186 rows at most, below 300). At V 8 the
   // gradient pass (label smoothing) fits every row in a budget that holds the fixed pieces: it
   // runs only in the other shapes.
-  for (const DeferShape shape : {DeferShape{700, 2008, 72, 128}, DeferShape{1300, 2000, 40, 400},
-                                 DeferShape{300, 8, 64, 128}}) {
+  // The sum in f32, and as the values and their rests (whose kernels take rows of 16 values).
+  for (const bool rests : {false, true})
+  for (DeferShape shape : {DeferShape{700, 2008, 72, 128}, DeferShape{1300, 2000, 40, 400},
+                           DeferShape{300, 8, 64, 128}}) {
+    if (rests) shape.hidden = (shape.hidden + 15) / 16 * 16;
     for (const char* name : {"plain", "smoothing_zloss_temperature", "distill_mixed"}) {
       if (shape.vocab == 8 && std::string(name) == "smoothing_zloss_temperature") continue;
       for (const bool after_a_step : {false, true}) {
         SCOPED_TRACE(cat(name, " N ", shape.n_tokens, " V ", shape.vocab, " H ", shape.hidden,
-                         after_a_step ? " after a step" : ""));
+                         after_a_step ? " after a step" : "", rests ? ", rests" : ", f32 sum"));
         const lmloss_loss_options o = options_named(name);
         const reference::Problem problem = gen.problem({.n_tokens = shape.n_tokens, .vocab = shape.vocab,
                                                         .hidden = shape.hidden, .top_k = o.kd_weight != 0 ? 8 : 0});
@@ -527,7 +531,9 @@ TEST_F(Cuda, FusedStepDefersItsLastWeightProductToTheRounding) {
           return lmloss_loss_forward_backward(ctx.get(), &h, &t, &options, nullptr, &loss_t, &lse_t, &g);
         };
         // The step(s) into a kept sum, the last given `deferred` where it defers, then the rounding.
-        Buffer tail(Device::cuda, LMLOSS_F32, 2, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(shape.vocab), shape.hidden);
+        Buffer tail = rests ? Buffer(Device::cuda, LMLOSS_U8, 2, shape.vocab, shape.hidden)
+                            : Buffer(Device::cuda, LMLOSS_F32, 2, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(shape.vocab),
+                                     shape.hidden);
         LossCase c(problem, o, st);
         c.options.grad_weight_sum_tail = tail.tensor();
         Buffer deferred;
@@ -600,14 +606,17 @@ TEST_F(Cuda, FusedStepDefersItsLastWeightProductToTheRounding) {
     }
   }
 
-  // Nothing deferred: one chunk, a vocabulary not a multiple of 8, f16.
-  for (const auto& [n_tokens, vocab, dtype] :
-       {std::tuple{64, 2008, LMLOSS_BF16}, std::tuple{700, 2001, LMLOSS_BF16}, std::tuple{700, 2008, LMLOSS_F16}}) {
-    SCOPED_TRACE(cat("N ", n_tokens, " V ", vocab, " ", dtype_name(dtype)));
+  // Nothing deferred: one chunk, a vocabulary not a multiple of 8, f16; rests beside rows of 72
+  // values (not a multiple of 16).
+  for (const auto& [n_tokens, vocab, dtype, rests] :
+       {std::tuple{64, 2008, LMLOSS_BF16, false}, std::tuple{700, 2001, LMLOSS_BF16, false},
+        std::tuple{700, 2008, LMLOSS_F16, false}, std::tuple{700, 2008, LMLOSS_BF16, true}}) {
+    SCOPED_TRACE(cat("N ", n_tokens, " V ", vocab, " ", dtype_name(dtype), rests ? ", rests" : ""));
     LossSetup st = setup(dtype, dtype);
     st.want_grad_bias = false;
     LossCase c(gen.problem({.n_tokens = n_tokens, .vocab = vocab, .hidden = 72}), options_named("plain"), st);
-    Buffer tail(Device::cuda, LMLOSS_F32, 2, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab), 72);
+    Buffer tail = rests ? Buffer(Device::cuda, LMLOSS_U8, 2, vocab, 72)
+                        : Buffer(Device::cuda, LMLOSS_F32, 2, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab), 72);
     c.options.grad_weight_sum_tail = tail.tensor();
     lmloss::Context ctx;
     ctx.set_workspace_budget(budget_for_rows(128, vocab));

@@ -260,7 +260,8 @@ TEST_P(KeptWeightSum, TailServesWhereTheBudgetCannotHoldTheSum) {
 // each tensor's padding untouched and the tail only read by the rounding; the float64 reference
 // within bf16's tolerance. Cross-entropy with every option, and distillation mixed with it; an
 // odd vocabulary and width, one token in the first micro-batch, a vocabulary narrower than a
-// vector, padded rows.
+// vector, padded rows; on sm_90a the last three shapes take the one-kernel products (vocab a
+// multiple of 8, width of 16), the others the products in slices.
 TEST_P(KeptWeightSum, RestsBesideTheValuesHoldTheF32Sum) {
   if (dtype() != LMLOSS_BF16) GTEST_SKIP() << "rests are kept beside a bf16 grad_weight";
   Generator gen(5104);
@@ -268,7 +269,8 @@ TEST_P(KeptWeightSum, RestsBesideTheValuesHoldTheF32Sum) {
     int64_t n_tokens, vocab, hidden, row_padding;
   };
   for (const RestShape shape : {RestShape{300, 1999, 72, 0}, RestShape{200, 1000, 37, 0}, RestShape{2, 503, 16, 0},
-                                RestShape{40, 5, 64, 0}, RestShape{300, 1024, 64, 8}}) {
+                                RestShape{40, 5, 64, 0}, RestShape{300, 1024, 64, 8}, RestShape{300, 2000, 64, 0},
+                                RestShape{2, 504, 16, 0}}) {
     for (const char* name : {"everything", "distill_mixed"}) {
       SCOPED_TRACE(cat(name, " N ", shape.n_tokens, " V ", shape.vocab, " H ", shape.hidden, " padding ",
                        shape.row_padding));

@@ -693,13 +693,14 @@ class ModesBench {
   // gap after them (the library's products batched over both parts) or apart: a buffer of its own
   // (two products a chunk where it lies below, else batched). input-kept-deferred: as input-kept,
   // the last chunk's product left to lmloss_round_grad_weight_deferred where the library defers it
-  // (its buffer counted in the peak).
+  // (its buffer counted in the peak). input-rests: the sum kept as the bf16 dW's values and a u8
+  // tail of their rests (every weight's), rounded by the caller; input-rests-deferred: deferred too.
   static constexpr size_t kDwTailGap = 256;
   struct DwForm {
     const char* name;
     bool input_dtype;  // else f32
     uint32_t flags;
-    enum class Sum { none, kept, kept_gap, kept_apart } sum;
+    enum class Sum { none, kept, kept_gap, kept_apart, rests } sum;
     const char* note;  // for the header line
     bool defer;  // input-kept-deferred (unset: false)
   };
@@ -717,12 +718,24 @@ class ModesBench {
       {"input-kept-deferred", true, 0u, DwForm::Sum::kept,
        ", dW in the input dtype, its f32 sum kept with a tail after it, the last product deferred to the rounding",
        true},
+      {"input-rests", true, 0u, DwForm::Sum::rests,
+       ", dW in the input dtype, its sum kept as the values and a u8 tail of rests, rounded by the caller"},
+      {"input-rests-deferred", true, 0u, DwForm::Sum::rests,
+       ", dW in the input dtype, its sum kept as the values and a u8 tail of rests, the last product deferred to the "
+       "rounding",
+       true},
   };
   void set_dw_form(const DwForm& form) {
     dw_dtype_ = form.input_dtype ? dt_ : LMLOSS_F32;
     dw_flags_ = form.flags;
     defer_dw_ = form.defer;
     if (form.sum == DwForm::Sum::none) return;
+    if (form.sum == DwForm::Sum::rests) {
+      dw_sum_tail_ = DeviceBuffer(size_t(v_) * size_t(h_));
+      dw_sum_tail_at_ = dw_sum_tail_.ptr;
+      dw_rests_ = true;
+      return;
+    }
     const int64_t tail_rows = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_);
     if ((form.sum == DwForm::Sum::kept || form.sum == DwForm::Sum::kept_gap) && 2 * tail_rows == v_) {
       // dw_ holds an f32 (v, h) and the gap
@@ -1185,7 +1198,9 @@ class ModesBench {
     o.flags |= dw_flags_;
     const bool kept_sum = want_dw && dw_sum_tail_at_;
     const lmloss_tensor sum_tail =
-        kept_sum ? dev_matrix(dw_sum_tail_at_, LMLOSS_F32, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_), h_) : lmloss_tensor_none();
+        !kept_sum  ? lmloss_tensor_none()
+        : dw_rests_ ? dev_matrix(dw_sum_tail_at_, LMLOSS_U8, v_, h_)
+                    : dev_matrix(dw_sum_tail_at_, LMLOSS_F32, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_), h_);
     o.grad_weight_sum_tail = sum_tail;
     if (distill) {
       o.ce_weight = 0;
@@ -1356,6 +1371,7 @@ class ModesBench {
   lmloss_dtype dw_dtype_ = LMLOSS_F32;
   uint32_t dw_flags_ = 0;  // LMLOSS_SUM_GRAD_WEIGHT_IN_F32 for --dw-dtype input-once
   bool defer_dw_ = false;  // --dw-dtype input-kept-deferred
+  bool dw_rests_ = false;  // --dw-dtype input-rests*
   DeviceBuffer dw_sum_tail_;         // --dw-dtype input-kept-apart: the kept f32 sum's tail
   void* dw_sum_tail_at_ = nullptr;   // --dw-dtype input-kept*: where that tail is
 };
@@ -1416,7 +1432,8 @@ int run(int argc, char** argv) {
     if (dw_dtype == form.name) dw_form = &form;
   if (!dw_form)
     throw std::invalid_argument(
-        "--dw-dtype takes f32, input, input-once, input-kept, input-kept-gap, input-kept-apart or input-kept-deferred");
+        "--dw-dtype takes f32, input, input-once, input-kept, input-kept-gap, input-kept-apart, input-kept-deferred, "
+        "input-rests or input-rests-deferred");
   bench.set_dw_form(*dw_form);
   bench.set_rest_ms(rest_ms);
   if (clocks && !bench.sample_clocks()) std::fprintf(stderr, "# --clocks: NVML did not answer; no clocks\n");

@@ -209,7 +209,9 @@ typedef enum lmloss_reduction {
  * grad_weight itself and an 8-bit rest of each in a u8 (vocab, hidden) tail, the library's own
  * encoding (any row strides). The pair holds ~16 significant bits, within ~1e-5 of the f32 sum
  * over a few chunks or micro-batches, and rounds as it does but for values on a rounding
- * boundary; grad_weight reads as the sum rounded to bf16 even before lmloss_round_grad_weight. */
+ * boundary; grad_weight reads as the sum rounded to bf16 even before lmloss_round_grad_weight.
+ * On sm_90a each token chunk's product reads and writes the pair in one kernel (bf16 inputs, vocab
+ * a multiple of 8, hidden of 16); elsewhere it goes through an f32 slice of the workspace. */
 #define LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab) ((vocab) - (vocab) / 16 * 8)
 
 typedef struct lmloss_loss_options {
@@ -307,7 +309,8 @@ LMLOSS_API lmloss_status lmloss_loss_forward_backward(
  * it. *bytes is what options.grad_weight_deferred must hold for lmloss_loss_forward_backward with
  * these same arguments (the options' grad_weight_deferred itself is not read), or 0 where nothing
  * is deferred: on the CPU, without a kept sum, for one token chunk, and where the store does not
- * run (CUDA before sm_90, a vocab or hidden not a multiple of 8). The step takes the buffer as its
+ * run (CUDA before sm_90, a vocab or hidden not a multiple of 8; for a sum kept with rests, a
+ * hidden not a multiple of 16). The step takes the buffer as its
  * logits workspace for every chunk, that much less of its own: its peak grows only by the chunk's
  * rows of X (2 bytes x rows x hidden), but the buffer lives until the rounding. Until then the
  * kept sum lacks that product: round it with lmloss_round_grad_weight_deferred before any other

@@ -381,6 +381,27 @@ enum SlicedPiece {
   kSlicedShift, kSlicedRowScale, kSlicedLabelGrad, kSlicedRowCoef, kSlicedRowLse, kSlicedSparse, kSlicedScalars,
   kSlicedTokenLoss, kSlicedPieces
 };
+// A kept pair's dW product as the call's operands give it, for `tokens` rows: the gradient and the
+// X rows are the chunk's, set per product (here any 256-byte-aligned address, as the workspace's,
+// with a row stride of 8: the plan reads only alignments); X is the caller's or, in the
+// exponential form, its scaled copy in the workspace (aligned, dense).
+RestProductArgs rest_product_args(const core::LossCall& call, int64_t tokens) {
+  RestProductArgs a;
+  a.device = call.device_index;
+  a.vocab = call.vocab;
+  a.hidden = call.hidden;
+  a.tokens = tokens;
+  a.grad = reinterpret_cast<const void*>(uintptr_t(256));
+  a.grad_ld = 8;
+  a.x = call.head.hidden.data;
+  a.x_ld = row_stride(call.head.hidden);
+  a.values = call.grads.grad_weight.data;
+  a.values_ld = row_stride(call.grads.grad_weight);
+  a.rests = static_cast<int8_t*>(call.options.grad_weight_sum_tail.data);
+  a.rests_ld = row_stride(call.options.grad_weight_sum_tail);
+  return a;
+}
+
 // Slices are whole 32-tile words of the flags (FoldSliceArgs): the layout counts in such steps.
 constexpr int64_t kSliceStep = 32 * kRowStatsTileColumns;
 constexpr int64_t kSlicedMinChunks = 4;
@@ -412,6 +433,7 @@ struct LossPlan {
                                   // any, holds its shifted logits in the inputs' dtype
   bool exp_form = false;          // those in the exponential form (loss_rows.cuh)
   bool dx_beside_dw = false;      // exp_form with dX and dW: a chunk's dX on the side stream
+  bool rest_product = false;      // a kept pair's dW products in one kernel each (weight_grad_store.cuh)
   std::optional<SlicedPlan> sliced;  // dX by slices of the vocabulary instead of token chunks
 };
 
@@ -638,8 +660,15 @@ LossPlan plan_loss(const lmloss_context& context, const core::LossCall& call) {
     pc[kMatmulWs] = {p.matmul_ws, 0, 256};
     if (call.head.bias.data) pc[kBiasF32].fixed = sizeof(float) * call.vocab;
     if (grads && call.grads.grad_bias.data) pc[kBiasGrad].fixed = sizeof(float) * call.vocab;
-    if (grads && call.grads.grad_weight.data && core::weight_sum_keeps_rests(call.options.grad_weight_sum_tail))
-      pc[kRestSlice] = {sizeof(float) * size_t(std::min(call.vocab, kRestSliceRows)) * size_t(call.hidden), 0, 256};
+    if (grads && call.grads.grad_weight.data && core::weight_sum_keeps_rests(call.options.grad_weight_sum_tail)) {
+      // The products into the pair in one kernel each where it runs (its scratch, planned for
+      // the tallest product), else a slice of rows at a time through f32.
+      const RestProductArgs product = rest_product_args(call, call.n_tokens);
+      p.rest_product = call.input_dtype == LMLOSS_BF16 && rest_product_supported(product);
+      pc[kRestSlice] = {p.rest_product ? rest_product_workspace(product)
+                                       : sizeof(float) * size_t(std::min(call.vocab, kRestSliceRows)) * size_t(call.hidden),
+                        0, 256};
+    }
   }
   int64_t row_limit = call.n_tokens;
   const bool grads_formed = grads_computed(call);
@@ -768,14 +797,34 @@ WeightGradStoreArgs deferred_store_args(int device, const DeferredProduct& d, vo
   return s;
 }
 
-// What a fused step defers: its first chunk, with a caller's kept sum of a bf16 dW on the
-// statistics product's path over more than one chunk, where the store runs; else nothing.
+// The same for a kept pair of bf16 values and rests: the product stored over the pair.
+RestProductArgs deferred_rest_args(int device, const DeferredProduct& d, void* base, const lmloss_tensor& grad_weight,
+                                   const lmloss_tensor& rests) {
+  RestProductArgs a;
+  a.device = device;
+  a.vocab = d.vocab;
+  a.hidden = d.hidden;
+  a.tokens = d.rows;
+  a.grad = d.grad(base);
+  a.grad_ld = d.vocab;
+  a.x = d.x(base);
+  a.x_ld = d.hidden;
+  a.kind = RestProduct::store;
+  a.values = grad_weight.data;
+  a.values_ld = row_stride(grad_weight);
+  a.rests = static_cast<int8_t*>(rests.data);
+  a.rests_ld = row_stride(rests);
+  return a;
+}
+
+// What a fused step defers: its first chunk, with a caller's kept sum of a bf16 dW (f32, or values
+// and rests) on the statistics product's path over more than one chunk, where the store runs;
+// else nothing.
 DeferredProduct deferred_product(const core::LossCall& call, const LossPlan& plan) {
   const lmloss_grads& g = call.grads;
   const lmloss_tensor& tail = call.options.grad_weight_sum_tail;
   const bool kept_bf16_sum = call.mode == core::Mode::forward_backward && call.linear && g.grad_weight.data &&
-                             tail.data && !core::weight_sum_keeps_rests(tail) && call.input_dtype == LMLOSS_BF16 &&
-                             g.grad_weight.dtype == LMLOSS_BF16;
+                             tail.data && call.input_dtype == LMLOSS_BF16 && g.grad_weight.dtype == LMLOSS_BF16;
   if (!kept_bf16_sum || !plan.row_stats_product || plan.separate_grad || plan.sliced ||
       plan.logits_ld != call.vocab || call.hidden % 8 != 0 || plan_chunk_count(plan, call.n_tokens) < 2)
     return {};
@@ -783,6 +832,11 @@ DeferredProduct deferred_product(const core::LossCall& call, const LossPlan& pla
   // Any address of the buffer's alignment: the probe reads only alignments, and the buffer's parts
   // are aligned by its layout (vocab and hidden multiples of 8).
   void* const aligned = reinterpret_cast<void*>(uintptr_t(kDeferredHeader));
+  if (core::weight_sum_keeps_rests(tail))
+    return plan.rest_product && rest_product_supported(deferred_rest_args(call.device_index, d, aligned,
+                                                                          g.grad_weight, tail))
+               ? d
+               : DeferredProduct{};
   const WeightGradStoreArgs probe =
       deferred_store_args(call.device_index, d, aligned, g.grad_weight.data, call.weight_sum_split, tail);
   return weight_grad_store_supported(probe) ? d : DeferredProduct{};
@@ -1326,7 +1380,19 @@ lmloss_status run_loss(LossRun& r, const LossPlan& plan) {
         LMLOSS_CHECK(run_weight_grad_store(store, store_ws, r.stream));
       } else {
         const float* beta = add ? &scalars->one : &scalars->zero;
-        if (rest_dw) {  // a slice of vocabulary rows at a time, into f32 and folded into the pair
+        if (rest_dw && plan.rest_product) {  // one kernel, reading and writing the pair
+          RestProductArgs product = rest_product_args(call, rows);
+          product.grad = grad;
+          product.grad_ld = plan.grad_ld;
+          product.x = x_rows;
+          product.x_ld = s.lda;
+          product.alpha = alpha;
+          product.kind = add ? RestProduct::add : RestProduct::first;
+          if (!rest_product_supported(product) || rest_product_workspace(product) > pc[kRestSlice].bytes(R))
+            return core::fail(LMLOSS_ERROR_INTERNAL, "dW product into rests: not as planned");
+          LMLOSS_CHECK(run_rest_product(product, piece(kRestSlice), r.stream));
+          s.n = 0;
+        } else if (rest_dw) {  // a slice of vocabulary rows at a time, into f32 and folded into the pair
           float* slice = static_cast<float*>(piece(kRestSlice));
           s.ldd = call.hidden;
           s.d_type = LMLOSS_F32;
@@ -1722,9 +1788,7 @@ class CudaBackend final : public core::Backend {
   lmloss_status run(lmloss_context& context, const core::WeightSumCall& call) override {
     DeviceGuard guard(call.device_index);
     if (core::weight_sum_keeps_rests(call.tail)) {
-      if (call.deferred.data)
-        return core::fail(LMLOSS_ERROR_UNSUPPORTED, "deferred: a sum kept with rests takes no deferred product "
-                                                    "(lmloss_loss_deferred_bytes gives 0 for its step)");
+      if (call.deferred.data) return store_deferred(context, call);
       return launch_round_rests(call.grad_weight.data, row_stride(call.grad_weight),
                                 static_cast<const int8_t*>(call.tail.data), row_stride(call.tail), call.vocab,
                                 call.hidden, static_cast<const float*>(call.scale.data),
@@ -1746,12 +1810,26 @@ class CudaBackend final : public core::Backend {
       return core::fail(LMLOSS_ERROR_INVALID_ARGUMENT, "deferred: " + std::to_string(bytes) +
                                                            " bytes are not a deferred product of this grad_weight");
     void* base = call.deferred.data;
+    const auto stream = static_cast<cudaStream_t>(context.stream);
+    if (core::weight_sum_keeps_rests(call.tail)) {
+      RestProductArgs store = deferred_rest_args(call.device_index, d, base, call.grad_weight, call.tail);
+      if (!rest_product_supported(store))
+        return core::fail(LMLOSS_ERROR_UNSUPPORTED, "deferred: this grad_weight's sum cannot take a deferred product "
+                                                    "here (lmloss_loss_deferred_bytes gave 0 for its step)");
+      const size_t store_bytes = rest_product_workspace(store);
+      Workspace ws(context, call.device_index, stream);
+      LMLOSS_CHECK(ws.acquire(store_bytes + 2 * sizeof(float)));
+      float* alpha_beta = ws.at<float>(store_bytes);
+      LMLOSS_CHECK(launch_deferred_scalars(d.alpha(base), static_cast<const float*>(call.scale.data), alpha_beta, stream));
+      store.alpha = alpha_beta;
+      store.beta = alpha_beta + 1;
+      return run_rest_product(store, ws.at<void>(0), stream);
+    }
     WeightGradStoreArgs store =
         deferred_store_args(call.device_index, d, base, call.grad_weight.data, call.split, call.tail);
     if (call.grad_weight.dtype != LMLOSS_BF16 || !weight_grad_store_supported(store))
       return core::fail(LMLOSS_ERROR_UNSUPPORTED, "deferred: this grad_weight's sum cannot take a deferred product "
                                                   "here (lmloss_loss_deferred_bytes gave 0 for its step)");
-    const auto stream = static_cast<cudaStream_t>(context.stream);
     const size_t store_bytes = align256(weight_grad_store_workspace(store));
     Workspace ws(context, call.device_index, stream);
     LMLOSS_CHECK(ws.acquire(store_bytes + 2 * sizeof(float)));

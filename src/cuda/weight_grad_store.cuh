@@ -44,4 +44,38 @@ size_t weight_grad_store_workspace(const WeightGradStoreArgs& args);
 
 lmloss_status run_weight_grad_store(const WeightGradStoreArgs& args, void* workspace, cudaStream_t stream);
 
+// A chunk's dW product into a kept sum of bf16 values and 8-bit rests (core/weight_sum_rest.hpp)
+// in one kernel, whose epilogue reads the pair beside the product and writes it, in place:
+//   first: s = alpha X^T G;                      values = bf16(s), rests = rest(s)
+//   add:   s = alpha X^T G + join(values, rests); the same
+//   store: values = bf16(alpha X^T G + beta join(values, rests)), the rests only read (the
+//          rounding of a sum whose last product was deferred to it)
+// sm_90a only: CUTLASS's cooperative 128 x 256 kernel in 2 x 1 clusters, the rests an auxiliary
+// tensor loaded and stored by TMA beside C and D (bench/probe_dw_rest.cu measured it).
+enum class RestProduct { first, add, store };
+struct RestProductArgs {
+  int device = 0;
+  int64_t vocab = 0, hidden = 0, tokens = 0;  // dW (vocab, hidden); the chunk's tokens
+  const void* grad = nullptr;                 // G (tokens, vocab) bf16, row stride grad_ld
+  int64_t grad_ld = 0;
+  const void* x = nullptr;                    // X (tokens, hidden) bf16, row stride x_ld
+  int64_t x_ld = 0;
+  const float* alpha = nullptr;               // on the device: scales the product
+  const float* beta = nullptr;                // on the device, for `store`: scales the pair
+  RestProduct kind = RestProduct::first;
+  void* values = nullptr;                     // (vocab, hidden) bf16, row stride values_ld
+  int64_t values_ld = 0;
+  int8_t* rests = nullptr;                    // (vocab, hidden), row stride rests_ld
+  int64_t rests_ld = 0;
+};
+
+// Whether the kernel runs for these operands on this build and device (else: the product a slice
+// of rows at a time into f32, folded into the pair). Only alignments are read of the pointers.
+bool rest_product_supported(const RestProductArgs& args);
+
+// CUTLASS's scratch for these operands, 256-byte aligned (0 where not supported).
+size_t rest_product_workspace(const RestProductArgs& args);
+
+lmloss_status run_rest_product(const RestProductArgs& args, void* workspace, cudaStream_t stream);
+
 }  // namespace lmloss::cuda
