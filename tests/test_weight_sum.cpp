@@ -34,6 +34,51 @@ class KeptWeightSum : public DeviceDtypeTest {
     return 64 * 1024 + size_t(rows) * size_t(vocab + hidden) * 8;
   }
 
+  // A linear problem's inputs on the test's device, its tokens in two micro-batches, [0, n1) and
+  // [n1, N), each a view of the inputs' rows.
+  struct TwoBatches {
+    const reference::Problem& p;
+    int64_t n1;
+    Buffer x, w, labels, ids, probs, loss;
+
+    TwoBatches(const reference::Problem& problem, int64_t first_rows, Device device, lmloss_dtype dtype)
+        : p(problem), n1(first_rows), loss(device, LMLOSS_F32, 0, 1) {
+      x = Buffer::of_values(device, dtype, p.hidden_states, 2, p.n_tokens, p.hidden);
+      w = Buffer::of_values(device, dtype, p.weight, 2, p.vocab, p.hidden);
+      labels = Buffer::of_ids(device, LMLOSS_I64, p.labels, 1, p.n_tokens);
+      if (p.top_k > 0) {
+        ids = Buffer::of_ids(device, LMLOSS_I32, p.teacher_ids, 2, p.n_tokens, p.top_k);
+        probs = Buffer::of_values(device, LMLOSS_F32, p.teacher_probs, 2, p.n_tokens, p.top_k);
+      }
+      for (Buffer* b : {&x, &w, &labels, &ids, &probs})
+        if (b->present()) b->upload();
+    }
+
+    static lmloss_tensor rows_of(lmloss_tensor t, int64_t r0, int64_t r1) {
+      t.data = static_cast<char*>(t.data) + r0 * (t.ndim == 2 ? t.shape[1] : 1) * int64_t(dtype_size(t.dtype));
+      t.shape[0] = r1 - r0;
+      return t;
+    }
+
+    // Both micro-batches' fused steps into `grad_weight`, the second with
+    // LMLOSS_ACCUMULATE_GRAD_WEIGHT.
+    void run(lmloss_context* ctx, const lmloss_tensor& grad_weight, lmloss_loss_options options) const {
+      for (const auto& [r0, r1] : {std::pair<int64_t, int64_t>{0, n1}, {n1, p.n_tokens}}) {
+        const lmloss_head head{lmloss_tensor_none(), rows_of(x.tensor(), r0, r1), w.tensor(), lmloss_tensor_none()};
+        const lmloss_targets targets{rows_of(labels.tensor(), r0, r1),
+                                     ids.present() ? rows_of(ids.tensor(), r0, r1) : lmloss_tensor_none(),
+                                     probs.present() ? rows_of(probs.tensor(), r0, r1) : lmloss_tensor_none(),
+                                     lmloss_tensor_none()};
+        const lmloss_grads grads{lmloss_tensor_none(), lmloss_tensor_none(), grad_weight, lmloss_tensor_none()};
+        const lmloss_tensor loss_t = loss.tensor(), none = lmloss_tensor_none();
+        if (r0 > 0) options.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT;
+        ASSERT_EQ(lmloss_loss_forward_backward(ctx, &head, &targets, &options, nullptr, &loss_t, &none, &grads),
+                  LMLOSS_SUCCESS)
+            << lmloss_last_error();
+      }
+    }
+  };
+
   lmloss::Context ctx;
 };
 
@@ -85,40 +130,9 @@ TEST_P(KeptWeightSum, MicroBatchesRoundedOnceMatchTheirF32Sum) {
       const int64_t n1 = shape.n_tokens == 2 ? 1 : shape.n_tokens / 3;
       const int64_t vocab = p.vocab, hidden = p.hidden, ld = hidden + shape.row_padding;
       ctx.set_workspace_budget(budget_for_rows(64, vocab, hidden));
-      const lmloss_dtype label_dtype = LMLOSS_I64;
-
-      // Inputs for all tokens; each micro-batch a view of its rows.
-      Buffer x = Buffer::of_values(device(), dtype(), p.hidden_states, 2, p.n_tokens, hidden);
-      Buffer w = Buffer::of_values(device(), dtype(), p.weight, 2, vocab, hidden);
-      Buffer labels = Buffer::of_ids(device(), label_dtype, p.labels, 1, p.n_tokens);
-      Buffer ids, probs;
-      if (top_k > 0) {
-        ids = Buffer::of_ids(device(), LMLOSS_I32, p.teacher_ids, 2, p.n_tokens, top_k);
-        probs = Buffer::of_values(device(), LMLOSS_F32, p.teacher_probs, 2, p.n_tokens, top_k);
-      }
-      for (Buffer* b : {&x, &w, &labels, &ids, &probs})
-        if (b->present()) b->upload();
-      Buffer loss(device(), LMLOSS_F32, 0, 1);
-      auto rows_of = [](lmloss_tensor t, int64_t r0, int64_t r1) {
-        t.data = static_cast<char*>(t.data) + r0 * (t.ndim == 2 ? t.shape[1] : 1) * int64_t(dtype_size(t.dtype));
-        t.shape[0] = r1 - r0;
-        return t;
-      };
-      // Both micro-batches into `grad_weight`, the second added.
-      auto run_batches = [&](const lmloss_tensor& grad_weight, lmloss_loss_options options) {
-        for (const auto& [r0, r1] : {std::pair<int64_t, int64_t>{0, n1}, {n1, p.n_tokens}}) {
-          const lmloss_head head{lmloss_tensor_none(), rows_of(x.tensor(), r0, r1), w.tensor(), lmloss_tensor_none()};
-          const lmloss_targets targets{rows_of(labels.tensor(), r0, r1),
-                                       ids.present() ? rows_of(ids.tensor(), r0, r1) : lmloss_tensor_none(),
-                                       probs.present() ? rows_of(probs.tensor(), r0, r1) : lmloss_tensor_none(),
-                                       lmloss_tensor_none()};
-          const lmloss_grads grads{lmloss_tensor_none(), lmloss_tensor_none(), grad_weight, lmloss_tensor_none()};
-          const lmloss_tensor loss_t = loss.tensor(), none = lmloss_tensor_none();
-          if (r0 > 0) options.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT;
-          ASSERT_EQ(lmloss_loss_forward_backward(ctx.get(), &head, &targets, &options, nullptr, &loss_t, &none, &grads),
-                    LMLOSS_SUCCESS)
-              << lmloss_last_error();
-        }
+      const TwoBatches batches(p, n1, device(), dtype());
+      auto run_batches = [&](const lmloss_tensor& grad_weight, const lmloss_loss_options& options) {
+        batches.run(ctx.get(), grad_weight, options);
       };
 
       // The kept sum, then rounded with a scale. Where the tail shares grad_weight's buffer, its
@@ -294,36 +308,9 @@ TEST_P(KeptWeightSum, RestsBesideTheValuesHoldTheF32Sum) {
       const int64_t vocab = p.vocab, hidden = p.hidden, ld = hidden + shape.row_padding;
       ctx.set_workspace_budget(budget_for_rows(64, vocab, hidden));
 
-      Buffer x = Buffer::of_values(device(), dtype(), p.hidden_states, 2, p.n_tokens, hidden);
-      Buffer w = Buffer::of_values(device(), dtype(), p.weight, 2, vocab, hidden);
-      Buffer labels = Buffer::of_ids(device(), LMLOSS_I64, p.labels, 1, p.n_tokens);
-      Buffer ids, probs;
-      if (top_k > 0) {
-        ids = Buffer::of_ids(device(), LMLOSS_I32, p.teacher_ids, 2, p.n_tokens, top_k);
-        probs = Buffer::of_values(device(), LMLOSS_F32, p.teacher_probs, 2, p.n_tokens, top_k);
-      }
-      for (Buffer* b : {&x, &w, &labels, &ids, &probs})
-        if (b->present()) b->upload();
-      Buffer loss(device(), LMLOSS_F32, 0, 1);
-      auto rows_of = [](lmloss_tensor t, int64_t r0, int64_t r1) {
-        t.data = static_cast<char*>(t.data) + r0 * (t.ndim == 2 ? t.shape[1] : 1) * int64_t(dtype_size(t.dtype));
-        t.shape[0] = r1 - r0;
-        return t;
-      };
-      auto run_batches = [&](const lmloss_tensor& grad_weight, lmloss_loss_options options) {
-        for (const auto& [r0, r1] : {std::pair<int64_t, int64_t>{0, n1}, {n1, p.n_tokens}}) {
-          const lmloss_head head{lmloss_tensor_none(), rows_of(x.tensor(), r0, r1), w.tensor(), lmloss_tensor_none()};
-          const lmloss_targets targets{rows_of(labels.tensor(), r0, r1),
-                                       ids.present() ? rows_of(ids.tensor(), r0, r1) : lmloss_tensor_none(),
-                                       probs.present() ? rows_of(probs.tensor(), r0, r1) : lmloss_tensor_none(),
-                                       lmloss_tensor_none()};
-          const lmloss_grads grads{lmloss_tensor_none(), lmloss_tensor_none(), grad_weight, lmloss_tensor_none()};
-          const lmloss_tensor loss_t = loss.tensor(), none = lmloss_tensor_none();
-          if (r0 > 0) options.flags |= LMLOSS_ACCUMULATE_GRAD_WEIGHT;
-          ASSERT_EQ(lmloss_loss_forward_backward(ctx.get(), &head, &targets, &options, nullptr, &loss_t, &none, &grads),
-                    LMLOSS_SUCCESS)
-              << lmloss_last_error();
-        }
+      const TwoBatches batches(p, n1, device(), dtype());
+      auto run_batches = [&](const lmloss_tensor& grad_weight, const lmloss_loss_options& options) {
+        batches.run(ctx.get(), grad_weight, options);
       };
 
       // The pair, its rests first set to +127 (half an ulp), which a value left unwritten would show.

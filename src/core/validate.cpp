@@ -283,7 +283,7 @@ lmloss_status check_f32_weight_sum(const lmloss_tensor& grad_weight, const char*
   if (grad_weight.dtype != LMLOSS_BF16 && grad_weight.dtype != LMLOSS_F16)
     return invalid(grad_name, std::string("dtype ") + dtype_name(grad_weight.dtype) +
                                   ": a kept f32 sum is for a bf16 or f16 grad_weight (an f32 one is the sum itself)");
-  LMLOSS_CHECK(expect_dtype(tail, tail_name, LMLOSS_F32, LMLOSS_U8, "f32 (or u8 with a bf16 grad_weight)"));
+  LMLOSS_CHECK(expect_dtype(tail, tail_name, LMLOSS_F32, LMLOSS_F32, "f32 (or u8 beside a bf16 grad_weight)"));
   const int64_t least = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(vocab);
   if (tail.ndim != 2 || tail.shape[1] != hidden || tail.shape[0] < vocab - vocab / 2 || tail.shape[0] > vocab)
     return invalid(tail_name, "expected shape (tail_rows, hidden = " + std::to_string(hidden) + ") with tail_rows in [" +
