@@ -34,15 +34,38 @@ class KeptWeightSum : public DeviceDtypeTest {
     return 64 * 1024 + size_t(rows) * size_t(vocab + hidden) * 8;
   }
 
+  // The losses each micro-batch test runs: cross-entropy with every option, and distillation
+  // (a top-k of 4) mixed with it.
+  struct Loss {
+    const char* name;
+    lmloss_loss_options options;
+    int64_t top_k;
+  };
+  static std::vector<Loss> losses() {
+    lmloss_loss_options everything = lmloss_loss_options_default();
+    everything.label_smoothing = 0.05;
+    everything.z_loss = 1e-3;
+    everything.softcap = 8.0;
+    everything.temperature = 0.8;
+    lmloss_loss_options distill_mixed = lmloss_loss_options_default();
+    distill_mixed.ce_weight = 0.4;
+    distill_mixed.kd_weight = 0.9;
+    return {{"everything", everything, 0}, {"distill_mixed", distill_mixed, 4}};
+  }
+
+  // The first micro-batch's tokens: a third, or one of two.
+  static int64_t first_batch_rows(int64_t n_tokens) { return n_tokens == 2 ? 1 : n_tokens / 3; }
+
   // A linear problem's inputs on the test's device, its tokens in two micro-batches, [0, n1) and
   // [n1, N), each a view of the inputs' rows.
   struct TwoBatches {
     const reference::Problem& p;
     int64_t n1;
+    Device device;
     Buffer x, w, labels, ids, probs, loss;
 
-    TwoBatches(const reference::Problem& problem, int64_t first_rows, Device device, lmloss_dtype dtype)
-        : p(problem), n1(first_rows), loss(device, LMLOSS_F32, 0, 1) {
+    TwoBatches(const reference::Problem& problem, int64_t first_rows, Device on, lmloss_dtype dtype)
+        : p(problem), n1(first_rows), device(on), loss(on, LMLOSS_F32, 0, 1) {
       x = Buffer::of_values(device, dtype, p.hidden_states, 2, p.n_tokens, p.hidden);
       w = Buffer::of_values(device, dtype, p.weight, 2, p.vocab, p.hidden);
       labels = Buffer::of_ids(device, LMLOSS_I64, p.labels, 1, p.n_tokens);
@@ -77,6 +100,26 @@ class KeptWeightSum : public DeviceDtypeTest {
             << lmloss_last_error();
       }
     }
+
+    // The same calls into an f32 grad_weight: the sum a kept one is checked against.
+    Buffer f32_sum(lmloss_context* ctx, const lmloss_loss_options& options) const {
+      Buffer wide(device, LMLOSS_F32, 2, p.vocab, p.hidden);
+      wide.poison();
+      wide.upload();
+      run(ctx, wide.tensor(), options);
+      EXPECT_EQ(lmloss_context_synchronize(ctx), LMLOSS_SUCCESS) << lmloss_last_error();
+      wide.download();
+      return wide;
+    }
+
+    // The float64 reference's dW of both micro-batches, times `scale`.
+    std::vector<double> reference_sum(const lmloss_loss_options& options, double scale) const {
+      const reference::LossResult first = reference::loss(tokens_of(p, 0, n1), options);
+      const reference::LossResult second = reference::loss(tokens_of(p, n1, p.n_tokens), options);
+      std::vector<double> want(first.grad_weight.size());
+      for (size_t i = 0; i < want.size(); ++i) want[i] = scale * (first.grad_weight[i] + second.grad_weight[i]);
+      return want;
+    }
   };
 
   lmloss::Context ctx;
@@ -108,32 +151,17 @@ TEST_P(KeptWeightSum, MicroBatchesRoundedOnceMatchTheirF32Sum) {
                                SumShape{300, 2000, 40, 1000, 0, Tail::after_rows},
                                SumShape{300, 2000, 40, 1000, 0, Tail::after_gap},
                                SumShape{300, 2000, 40, 1000, 0, Tail::before_rows}, SumShape{300, 2000, 40, 1000, 0}}) {
-    for (const char* name : {"everything", "distill_mixed"}) {
-      SCOPED_TRACE(cat(name, " N ", shape.n_tokens, " V ", shape.vocab, " H ", shape.hidden, " tail rows ",
+    for (const Loss& loss : losses()) {
+      SCOPED_TRACE(cat(loss.name, " N ", shape.n_tokens, " V ", shape.vocab, " H ", shape.hidden, " tail rows ",
                        shape.tail_rows, " padding ", shape.row_padding, " tail placed ", int(shape.tail)));
-      lmloss_loss_options o = lmloss_loss_options_default();
-      int64_t top_k = 0;
-      if (std::string(name) == "everything") {
-        o.label_smoothing = 0.05;
-        o.z_loss = 1e-3;
-        o.softcap = 8.0;
-        o.temperature = 0.8;
-      } else {
-        o.ce_weight = 0.4;
-        o.kd_weight = 0.9;
-        top_k = 4;
-      }
+      const lmloss_loss_options& o = loss.options;
       const reference::Problem p =
           rounded(gen.problem({.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden,
-                               .top_k = top_k}),
+                               .top_k = loss.top_k}),
                   dtype());
-      const int64_t n1 = shape.n_tokens == 2 ? 1 : shape.n_tokens / 3;
       const int64_t vocab = p.vocab, hidden = p.hidden, ld = hidden + shape.row_padding;
       ctx.set_workspace_budget(budget_for_rows(64, vocab, hidden));
-      const TwoBatches batches(p, n1, device(), dtype());
-      auto run_batches = [&](const lmloss_tensor& grad_weight, const lmloss_loss_options& options) {
-        batches.run(ctx.get(), grad_weight, options);
-      };
+      const TwoBatches batches(p, first_batch_rows(shape.n_tokens), device(), dtype());
 
       // The kept sum, then rounded with a scale. Where the tail shares grad_weight's buffer, its
       // bytes there are 2 rows of 16-bit values per f32 row; a gap is 8 such rows.
@@ -161,7 +189,7 @@ TEST_P(KeptWeightSum, MicroBatchesRoundedOnceMatchTheirF32Sum) {
                                {shape.tail_rows, hidden}, 0, kept_t.device_type, kept_t.device_index};
       lmloss_loss_options kept_options = o;
       kept_options.grad_weight_sum_tail = tail_t;
-      ASSERT_NO_FATAL_FAILURE(run_batches(kept_t, kept_options));
+      ASSERT_NO_FATAL_FAILURE(batches.run(ctx.get(), kept_t, kept_options));
       const lmloss_tensor scale_t = scale.tensor();
       ASSERT_EQ(lmloss_round_grad_weight(ctx.get(), &kept_t, &tail_t, &scale_t), LMLOSS_SUCCESS) << lmloss_last_error();
       ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
@@ -179,25 +207,13 @@ TEST_P(KeptWeightSum, MicroBatchesRoundedOnceMatchTheirF32Sum) {
         EXPECT_EQ(gap_written, 0);
       }
 
-      // The same calls into an f32 grad_weight, rounded here.
-      Buffer wide(device(), LMLOSS_F32, 2, vocab, hidden);
-      wide.poison();
-      wide.upload();
-      ASSERT_NO_FATAL_FAILURE(run_batches(wide.tensor(), o));
-      ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-      wide.download();
-
+      // The same calls into an f32 grad_weight, rounded here; the float64 reference, scaled.
+      const Buffer wide = batches.f32_sum(ctx.get(), o);
       const int64_t count = vocab * hidden;
       EXPECT_TRUE(rounded_once_from(kept, wide, count, 0.75f, grad_first));
-
-      // And the float64 reference of both micro-batches, scaled.
-      const reference::LossResult first = reference::loss(tokens_of(p, 0, n1), o);
-      const reference::LossResult second = reference::loss(tokens_of(p, n1, p.n_tokens), o);
-      std::vector<double> want(static_cast<size_t>(count));
-      for (int64_t i = 0; i < count; ++i) want[i] = 0.75 * (first.grad_weight[i] + second.grad_weight[i]);
       const std::vector<double> all = kept.values();  // the gradient's elements, not the tail's bytes
       const std::vector<double> got(all.begin() + grad_first, all.begin() + grad_first + count);
-      EXPECT_TRUE(close_to(got, want, tolerance(dtype())));
+      EXPECT_TRUE(close_to(got, batches.reference_sum(o, 0.75), tolerance(dtype())));
     }
   }
 }
@@ -286,32 +302,17 @@ TEST_P(KeptWeightSum, RestsBesideTheValuesHoldTheF32Sum) {
   for (const RestShape shape : {RestShape{300, 1999, 72, 0}, RestShape{200, 1000, 37, 0}, RestShape{2, 503, 16, 0},
                                 RestShape{40, 5, 64, 0}, RestShape{300, 1024, 64, 8}, RestShape{300, 2000, 64, 0},
                                 RestShape{2, 504, 16, 0}}) {
-    for (const char* name : {"everything", "distill_mixed"}) {
-      SCOPED_TRACE(cat(name, " N ", shape.n_tokens, " V ", shape.vocab, " H ", shape.hidden, " padding ",
+    for (const Loss& loss : losses()) {
+      SCOPED_TRACE(cat(loss.name, " N ", shape.n_tokens, " V ", shape.vocab, " H ", shape.hidden, " padding ",
                        shape.row_padding));
-      lmloss_loss_options o = lmloss_loss_options_default();
-      int64_t top_k = 0;
-      if (std::string(name) == "everything") {
-        o.label_smoothing = 0.05;
-        o.z_loss = 1e-3;
-        o.softcap = 8.0;
-        o.temperature = 0.8;
-      } else {
-        o.ce_weight = 0.4;
-        o.kd_weight = 0.9;
-        top_k = 4;
-      }
+      const lmloss_loss_options& o = loss.options;
       const reference::Problem p = rounded(
-          gen.problem({.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden, .top_k = top_k}),
+          gen.problem({.n_tokens = shape.n_tokens, .vocab = shape.vocab, .hidden = shape.hidden, .top_k = loss.top_k}),
           dtype());
-      const int64_t n1 = shape.n_tokens == 2 ? 1 : shape.n_tokens / 3;
       const int64_t vocab = p.vocab, hidden = p.hidden, ld = hidden + shape.row_padding;
       ctx.set_workspace_budget(budget_for_rows(64, vocab, hidden));
 
-      const TwoBatches batches(p, n1, device(), dtype());
-      auto run_batches = [&](const lmloss_tensor& grad_weight, const lmloss_loss_options& options) {
-        batches.run(ctx.get(), grad_weight, options);
-      };
+      const TwoBatches batches(p, first_batch_rows(shape.n_tokens), device(), dtype());
 
       // The pair, its rests first set to +127 (half an ulp), which a value left unwritten would show.
       Buffer kept(device(), dtype(), 2, vocab, hidden, ld);
@@ -324,19 +325,14 @@ TEST_P(KeptWeightSum, RestsBesideTheValuesHoldTheF32Sum) {
       rests.upload();
       lmloss_loss_options kept_options = o;
       kept_options.grad_weight_sum_tail = rests.tensor();
-      ASSERT_NO_FATAL_FAILURE(run_batches(kept.tensor(), kept_options));
+      ASSERT_NO_FATAL_FAILURE(batches.run(ctx.get(), kept.tensor(), kept_options));
       ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
       kept.download();
       rests.download();
       EXPECT_TRUE(fully_written(kept));
       EXPECT_TRUE(rests.padding_untouched());
 
-      Buffer wide(device(), LMLOSS_F32, 2, vocab, hidden);
-      wide.poison();
-      wide.upload();
-      ASSERT_NO_FATAL_FAILURE(run_batches(wide.tensor(), o));
-      ASSERT_EQ(lmloss_context_synchronize(ctx.get()), LMLOSS_SUCCESS) << lmloss_last_error();
-      wide.download();
+      const Buffer wide = batches.f32_sum(ctx.get(), o);
 
       // The pair read back against the f32 sum, relative over all of dW; the values alone beside it.
       const int64_t count = vocab * hidden;
@@ -378,11 +374,7 @@ TEST_P(KeptWeightSum, RestsBesideTheValuesHoldTheF32Sum) {
       // boundary: most where the chunks cancel (4 of 320 at V 5 on an H100).
       EXPECT_TRUE(rounded_once_from(kept, wide, count, 0.75f, 0, 0.03));
 
-      const reference::LossResult first = reference::loss(tokens_of(p, 0, n1), o);
-      const reference::LossResult second = reference::loss(tokens_of(p, n1, p.n_tokens), o);
-      std::vector<double> want(static_cast<size_t>(count));
-      for (int64_t i = 0; i < count; ++i) want[i] = 0.75 * (first.grad_weight[i] + second.grad_weight[i]);
-      EXPECT_TRUE(close_to(kept.values(), want, tolerance(dtype())));
+      EXPECT_TRUE(close_to(kept.values(), batches.reference_sum(o, 0.75), tolerance(dtype())));
     }
   }
 }
