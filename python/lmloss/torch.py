@@ -124,7 +124,11 @@ def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
     and the sum's tail: as the array functions take them (_api._weight_sum_buffers: for a
     vocabulary of a multiple of 16, the lower of two blocks of one size is the gradient, so that
     the tail never lies below it). Traced, the tensors may be fake: always aligned, never asked
-    for their address."""
+    for their address. With _KEEP_WEIGHT_RESTS, a bf16 weight's gradient holds the sum's bf16
+    values and the tail, uint8 of the weight's shape, their 8-bit rests."""
+    if _KEEP_WEIGHT_RESTS and weight.dtype == torch.bfloat16:
+        return (_empty_like_shape(weight, weight.shape, weight.dtype),
+                _empty_like_shape(weight, weight.shape, torch.uint8))
     vocab, hidden = weight.shape
     tail_rows = _api.weight_sum_tail_rows(vocab)
     if 2 * tail_rows != vocab or _traced(weight):
@@ -337,6 +341,13 @@ def _(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs, token_ma
 # default); False gives it a float32 tensor of its own: for benchmarks that set the two side by
 # side.
 _KEEP_WEIGHT_SUM = True
+# Whether a bf16 weight's kept sum is its bf16 values, in the gradient's own bytes, and a uint8
+# tail of their 8-bit rests (3 bytes an entry against the float32 sum's 4; the library's pair,
+# which holds the sum to ~1e-5 and rounds it as the float32 sum would but for values on a rounding
+# boundary). Off until measured through PyTorch; the benchmarks set the two side by side. Read
+# both where a traced graph's outputs are declared and where they are made: set it before
+# compiling.
+_KEEP_WEIGHT_RESTS = False
 # Whether eager steps that keep it leave their last chunk's dW product to the rounding in backward
 # where the library can (lmloss_loss_deferred_bytes; the default); False adds it into the sum in
 # the step, for benchmarks and tests that set the two side by side.

@@ -350,6 +350,47 @@ def test_bf16_weight_gradient_is_its_f32_sum_rounded_once(device, monkeypatch):
     assert_rounded_once(per_token, ref, "none")
 
 
+@pytest.mark.parametrize("device", ARRAY_DEVICES)
+def test_bf16_weight_sum_kept_as_values_and_rests(device, monkeypatch):
+    """With _KEEP_WEIGHT_RESTS a bf16 head's weight gradient holds its sum's bf16 values and a
+    uint8 tail of their 8-bit rests (3 bytes an entry): rounded in backward, times the upstream
+    gradient, it is the float32 sum rounded once but for at most 2% of elements (0.6% here over 8
+    chunks: values whose chunks cancel, the pair's error being relative to the running sum; the
+    sum's bf16 values alone, rounded each chunk, would differ in most), and within
+    ROUNDED_ONCE_RATIO of float64 rounded once; so too on reduction "none"'s recomputing
+    backward, and with a bias."""
+    x, w, b, y = bf16_head(device, seed=6)
+    tails = []  # the tails the roundings were given
+    real_round = lmloss._api.invoke_round_grad_weight
+
+    def recording_round(device, **kwargs):
+        tails.append((kwargs["tail"].dtype, tuple(kwargs["tail"].shape)))
+        return real_round(device, **kwargs)
+    monkeypatch.setattr(lmloss._api, "invoke_round_grad_weight", recording_round)
+
+    def weight_grad(rests, reduction, bias=None):
+        monkeypatch.setattr(lt, "_KEEP_WEIGHT_RESTS", rests)
+        xg, wg = leaf(x), leaf(w)
+        loss = lt.linear_cross_entropy(xg, wg, y, bias=bias, reduction=reduction)
+        (loss * 0.75).sum().backward()
+        return wg.grad
+
+    with chunks_of_256_rows(w.shape[0]):
+        pair, f32_sum = weight_grad(True, "mean"), weight_grad(False, "mean")
+        per_token = weight_grad(True, "none")
+        with_bias = weight_grad(True, "mean", leaf(b))
+    assert tails[0] == (torch.uint8, tuple(w.shape)) and tails[1][0] == torch.float32
+    assert tails[2:] == [tails[0]] * 2
+    assert pair.dtype == torch.bfloat16 and pair.shape == w.shape and pair.is_contiguous()
+    differ = (pair != f32_sum).float().mean().item()
+    assert differ <= 0.02, f"{differ:.3g} of dW differs from the float32 sum rounded once"
+    ref = 0.75 * (logits_grad_f64(x, w, y).T @ x.double())
+    assert_rounded_once(pair, ref / x.shape[0], "mean")
+    assert_rounded_once(per_token, ref, "none")
+    ref_bias = 0.75 * (logits_grad_f64(x, w, y, b).T @ x.double()) / x.shape[0]
+    assert_rounded_once(with_bias, ref_bias, "with a bias")
+
+
 def test_bf16_weight_gradient_accumulates_over_micro_batches():
     # The first backward's gradient (rounded in place over its own sum) becomes weight.grad, and
     # the second's is added to it: the gradient of both micro-batches.
@@ -1015,8 +1056,10 @@ def test_weight_gradient_in_float32_without_the_kept_sum():
     assert buffers[2].dtype == torch.float32 and buffers[4].numel() == 0
 
 
-@pytest.mark.parametrize("vocab", [300, 304])  # the kept sum as two blocks of one size, or not
-def test_compiled_bf16_head_matches_eager(vocab):
+# The kept float32 sum as two blocks of one size, or not; the sum as values and rests.
+@pytest.mark.parametrize("vocab,rests", [(300, False), (304, False), (300, True)])
+def test_compiled_bf16_head_matches_eager(vocab, rests, monkeypatch):
+    monkeypatch.setattr(lt, "_KEEP_WEIGHT_RESTS", rests)
     x, w, b, y = linear_inputs(dtype=torch.bfloat16, v=vocab, h=16)
     torch._dynamo.reset()
 
