@@ -791,15 +791,19 @@ void expect_topk_matches_reference(const TopkCase& c, double id_tolerance) {
 }
 
 ::testing::AssertionResult rounded_once_from(const Buffer& narrow, const Buffer& wide, int64_t count, float scale,
-                                             int64_t narrow_first, double differ_fraction) {
+                                             int64_t narrow_first, double differ_fraction, double floor_of_largest) {
   const double ulp = narrow.dtype() == LMLOSS_BF16 ? 0x1p-7 : 0x1p-10;  // at most, relative
+  auto want_at = [&](int64_t i) { return round_to(narrow.dtype(), double(float(wide.get(i)) * scale)); };
+  double largest = 0;
+  for (int64_t i = 0; i < count; ++i) largest = std::max(largest, std::fabs(want_at(i)));
+  const double floor = 0x1p-24 + floor_of_largest * largest;
   int64_t differ = 0;
   for (int64_t i = 0; i < count; ++i) {
     const double got = narrow.get(narrow_first + i);
-    const double want = round_to(narrow.dtype(), double(float(wide.get(i)) * scale));
+    const double want = want_at(i);
     if (got == want) continue;
     ++differ;
-    if (std::fabs(got - want) > ulp * std::fabs(want) + 0x1p-24)
+    if (std::fabs(got - want) > ulp * std::fabs(want) + floor)
       return ::testing::AssertionFailure() << "element " << i << ": " << got << ", rounded once " << want;
   }
   if (differ > std::max<int64_t>(1, int64_t(double(count) * differ_fraction)))

@@ -323,10 +323,12 @@ void expect_topk_matches_reference(const TopkCase& c, double id_tolerance);
 // A 16-bit result (`count` elements of `narrow` from its element `narrow_first`) rounded once from
 // an f32 sum: equal to the f32 result `wide`, times `scale` in f32, rounded into narrow's dtype,
 // but for at most `differ_fraction` of the elements (where the two f32 sums, their products split
-// differently, straddle a rounding boundary), and none of those more than an ulp apart.
+// differently, straddle a rounding boundary), and none of those more than an ulp apart, or with
+// `floor_of_largest`, that times the largest element apart (a sum whose error is relative to its
+// running values, not its last ones: where chunks cancel, a small value may be ulps off).
 ::testing::AssertionResult rounded_once_from(const Buffer& narrow, const Buffer& wide, int64_t count,
                                              float scale = 1.0f, int64_t narrow_first = 0,
-                                             double differ_fraction = 0.01);
+                                             double differ_fraction = 0.01, double floor_of_largest = 0);
 bool bitwise_equal(const std::vector<double>& a, const std::vector<double>& b);
 
 // Joins anything streamable into one string, for traces (no operator+ chains on literals).

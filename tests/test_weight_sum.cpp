@@ -371,8 +371,9 @@ TEST_P(KeptWeightSum, RestsBesideTheValuesHoldTheF32Sum) {
       }
       EXPECT_EQ(misrounded, 0);
       // And so as the f32 sum rounds, but for values the pair's ~1e-5 puts across a rounding
-      // boundary: most where the chunks cancel (4 of 320 at V 5 on an H100).
-      EXPECT_TRUE(rounded_once_from(kept, wide, count, 0.75f, 0, 0.03));
+      // boundary: most where the chunks cancel (4 of 320 at V 5 on an H100), where a small value
+      // may be ulps off (the pair's error is relative to the running sum).
+      EXPECT_TRUE(rounded_once_from(kept, wide, count, 0.75f, 0, 0.03, 0x1p-13));
 
       EXPECT_TRUE(close_to(kept.values(), batches.reference_sum(o, 0.75), tolerance(dtype())));
     }
