@@ -796,14 +796,14 @@ void expect_topk_matches_reference(const TopkCase& c, double id_tolerance) {
   auto want_at = [&](int64_t i) { return round_to(narrow.dtype(), double(float(wide.get(i)) * scale)); };
   double largest = 0;
   for (int64_t i = 0; i < count; ++i) largest = std::max(largest, std::fabs(want_at(i)));
-  const double floor = 0x1p-24 + floor_of_largest * largest;
+  const double slack = 0x1p-24 + floor_of_largest * largest;  // absolute, beside the ulp
   int64_t differ = 0;
   for (int64_t i = 0; i < count; ++i) {
     const double got = narrow.get(narrow_first + i);
     const double want = want_at(i);
     if (got == want) continue;
     ++differ;
-    if (std::fabs(got - want) > ulp * std::fabs(want) + floor)
+    if (std::fabs(got - want) > ulp * std::fabs(want) + slack)
       return ::testing::AssertionFailure() << "element " << i << ": " << got << ", rounded once " << want;
   }
   if (differ > std::max<int64_t>(1, int64_t(double(count) * differ_fraction)))
