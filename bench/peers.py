@@ -6,8 +6,9 @@ Kernel's LigerFusedLinearCrossEntropyLoss and Cut Cross-Entropy's linear_cross_e
 gradient filtering, and exact with filter_eps=None), and lmloss itself (lmloss.torch, and
 lmloss.topk for top-k; for fwd+bwd also its fused op alone, "lmloss-op", and lmloss.torch with
 its 16-bit dW summed in a float32 tensor of its own, "lmloss-f32dw", its eager step with every
-dW product added into the kept sum in the step, "lmloss-nodefer", and its bf16 dW's sum kept as
-bf16 values and 8-bit rests, "lmloss-rests"), when they import.
+dW product added into the kept sum in the step, "lmloss-nodefer", and its bf16 dW's sum kept in
+float32 where it would be kept as bf16 values and 8-bit rests, "lmloss-f32sum"), when they
+import.
 Each row: median time of CUDA events around the step (L2 flushed before every run), the peak
 extra device memory over the inputs (gradients included), and the floor: the bare torch.matmul
 products of the same step (forward; + dX; + dW) timed right before the method, on the card as the
@@ -64,7 +65,6 @@ MODES = {
 _flush = None
 _launch_ahead_cycles = 0  # --launch-ahead: a sleep kernel's cycles queued before each timed run
 _clock_probe = None  # --clocks: a ClockProbe
-_rests_budget = 0  # --rests-budget-gib: lmloss-rests's workspace budget in bytes (0: the run's)
 
 
 class ClockProbe:
@@ -331,20 +331,15 @@ def lmloss_methods(mode, y, ids, p):
         return {"lmloss": lambda x, w: lmloss.topk(x, w, k)}
     out = {"lmloss": lambda x, w: lt.linear_cross_entropy(x, w, y)}
     if mode == "fwd_bwd":
-        def with_setting(name, value=False, budget=0):
-            """The same loss, one of lmloss.torch's settings (and with `budget` the workspace
-            budget, in bytes) set otherwise for the call."""
+        def with_setting(name, value=False):
+            """The same loss, one of lmloss.torch's settings set otherwise for the call."""
             def run(x, w):
-                before, budget_before = getattr(lt, name), lmloss.workspace_budget()
+                before = getattr(lt, name)
                 setattr(lt, name, value)
-                if budget:
-                    lmloss.set_workspace_budget(budget)
                 try:
                     return lt.linear_cross_entropy(x, w, y)
                 finally:
                     setattr(lt, name, before)
-                    if budget:
-                        lmloss.set_workspace_budget(budget_before)
             return run
         # The 16-bit dW summed in a float32 tensor of its own and rounded into a new one in
         # backward (lmloss.torch before the kept sum).
@@ -352,10 +347,9 @@ def lmloss_methods(mode, y, ids, p):
         # The last chunk's dW product added into the kept sum in the step, the sum rounded by its
         # own pass in backward (lmloss.torch before the deferred product).
         out["lmloss-nodefer"] = with_setting("_DEFER_WEIGHT_PRODUCT")
-        # A bf16 dW's sum kept as its bf16 values and a uint8 tail of 8-bit rests (3 bytes an
-        # entry against the float32 sum's 4), the last product deferred into it; at the budget
-        # of --rests-budget-gib (the bytes it saves spent on fewer token chunks) where given.
-        out["lmloss-rests"] = with_setting("_KEEP_WEIGHT_RESTS", True, _rests_budget)
+        # A bf16 dW's sum kept in float32 where lmloss.torch would keep it as its bf16 values
+        # and 8-bit rests (3 bytes an entry against 4, the byte saved spent on workspace).
+        out["lmloss-f32sum"] = with_setting("_KEEP_WEIGHT_RESTS", False)
         # The fused op alone, outside autograd: loss and gradients for an upstream gradient of 1,
         # a 16-bit dW kept as its float32 sum (what lmloss.torch's forward runs, before backward
         # rounds it).
@@ -506,8 +500,6 @@ def main():
                     help="the inputs: random (flat softmaxes) or peaked like a trained head's")
     ap.add_argument("--lmloss-budget-gib", type=float, default=0.0, metavar="GIB",
                     help="lmloss's workspace budget (lmloss.set_workspace_budget); 0: its default")
-    ap.add_argument("--rests-budget-gib", type=float, default=0.0, metavar="GIB",
-                    help="lmloss-rests's workspace budget, set for its calls alone; 0: the run's")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     dev = torch.cuda.get_device_name()
@@ -525,12 +517,8 @@ def main():
             lmloss.set_workspace_budget(int(args.lmloss_budget_gib * 2**30))
         except ImportError as e:
             print(f"# --lmloss-budget-gib: lmloss not available: {e}", file=sys.stderr)
-    global _rests_budget
-    _rests_budget = int(args.rests_budget_gib * 2**30)
     ahead = f", launched {args.launch_ahead:g} ms ahead" if args.launch_ahead > 0 else ""
     budget = f", lmloss budget {args.lmloss_budget_gib:g} GiB" if args.lmloss_budget_gib > 0 else ""
-    if _rests_budget:
-        budget += f", lmloss-rests budget {args.rests_budget_gib:g} GiB"
     print(f"# {dev}, torch {torch.__version__}, bf16, {args.data} data, median of {args.repeats}, "
           f"L2 flushed, CUDA events{ahead}{budget}")
     rows = []

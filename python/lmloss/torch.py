@@ -20,7 +20,10 @@ a time (8NHV flops). For bf16/f16 weights the weight and bias gradients are accu
 and cast to the parameter's dtype once; the weight's float32 sum is held over the bytes of the
 gradient it becomes (and a tail) and rounded there, in place, so a second backward through the
 same loss (retain_graph=True) raises (under torch.compile, PyTorch's check of the buffers a
-compiled backward reuses raises).
+compiled backward reuses raises). On an H100 or H200 a bf16 weight's sum is held instead as its
+bf16 values and an 8-bit rest of each (3 bytes an entry against 4, within ~1e-5 of the float32
+sum), and the step spends the byte an entry this saves on workspace beyond the budget
+(lmloss.set_workspace_budget): larger token chunks, in the memory the float32 sum would take.
 """
 
 from __future__ import annotations
@@ -124,9 +127,9 @@ def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
     and the sum's tail: as the array functions take them (_api._weight_sum_buffers: for a
     vocabulary of a multiple of 16, the lower of two blocks of one size is the gradient, so that
     the tail never lies below it). Traced, the tensors may be fake: always aligned, never asked
-    for their address. With _KEEP_WEIGHT_RESTS, a bf16 weight's gradient holds the sum's bf16
-    values and the tail, uint8 of the weight's shape, their 8-bit rests."""
-    if _KEEP_WEIGHT_RESTS and weight.dtype == torch.bfloat16:
+    for their address. Where _keeps_rests, a bf16 weight's gradient holds the sum's bf16 values
+    and the tail, uint8 of the weight's shape, their 8-bit rests."""
+    if _keeps_rests(weight):
         return (_empty_like_shape(weight, weight.shape, weight.dtype),
                 _empty_like_shape(weight, weight.shape, torch.uint8))
     vocab, hidden = weight.shape
@@ -136,6 +139,31 @@ def _weight_sum_buffers(weight: Tensor) -> Tuple[Tensor, Tensor]:
                 _empty_like_shape(weight, (tail_rows, hidden), torch.float32))
     w = as_array(weight, "weight")
     return _api._weight_sum_buffers(w, w.shape, w.dtype)
+
+
+def _keeps_rests(weight: Tensor) -> bool:
+    """Whether a bf16 weight's kept sum is its bf16 values and 8-bit rests: as _KEEP_WEIGHT_RESTS
+    says where set, else where the library's one-kernel dW products of the pair run (sm_90a, a
+    vocabulary of a multiple of 8, rows of 16): there, with the byte an entry it saves spent on
+    larger token chunks, the step is faster than with the float32 sum in no more memory (run 77).
+    Elsewhere its products go through float32 slices, slower (on the CPU too)."""
+    if weight.dtype != torch.bfloat16:
+        return False
+    if _KEEP_WEIGHT_RESTS is not None:
+        return _KEEP_WEIGHT_RESTS
+    vocab, hidden = weight.shape
+    return (weight.device.type == "cuda" and vocab % 8 == 0 and hidden % 16 == 0
+            and torch.cuda.get_device_capability(weight.device) == (9, 0))
+
+
+def _rests_extra_workspace(weight: Optional[Tensor], tail: Tensor) -> int:
+    """The bytes a sum kept as values and rests (a uint8 tail) saves over the float32 sum's tail,
+    which its call spends on workspace beyond the budget: larger token chunks, fewer passes over
+    the sum, in the memory the float32 sum would hold."""
+    if tail.dtype != torch.uint8 or tail.numel() == 0:
+        return 0
+    vocab, hidden = weight.shape
+    return _api.weight_sum_tail_rows(vocab) * hidden * 4 - vocab * hidden
 
 
 def _round_grad_weight_impl(grad_weight: Tensor, tail: Tensor, scale: Optional[Tensor]) -> None:
@@ -254,7 +282,7 @@ def _loss_backward(
          grad_loss=grad_loss.to(compute).contiguous(),
          grad_logits=_present(g_logits), grad_hidden=_present(g_hidden),
          grad_weight=_present(g_weight), grad_bias=_present(g_bias),
-         grad_weight_sum_tail=_present(tail))
+         grad_weight_sum_tail=_present(tail), extra_workspace=_rests_extra_workspace(weight, tail))
     if tail.numel() > 0:  # the upstream gradient is in the sum already
         _round_weight_sum(g_weight, tail, None)
     return g_logits, g_hidden, g_weight, g_bias
@@ -295,7 +323,8 @@ def _fused_step(logits, hidden, weight, bias, labels, teacher_ids, teacher_probs
         grad_hidden=_present(g_hidden), grad_weight=_present(g_weight),
         grad_bias=_present(g_bias), grad_weight_sum_tail=_present(tail))
     maker = _api.deferred_maker(lead) if defer and tail.numel() > 0 and device >= 0 else None
-    deferred = _run("forward_backward", device, grad_weight_deferred=maker, **arrays)
+    deferred = _run("forward_backward", device, grad_weight_deferred=maker,
+                    extra_workspace=_rests_extra_workspace(weight, tail), **arrays)
     return loss, lse, g_logits, g_hidden, g_weight, g_bias, tail, deferred
 
 
@@ -344,10 +373,10 @@ _KEEP_WEIGHT_SUM = True
 # Whether a bf16 weight's kept sum is its bf16 values, in the gradient's own bytes, and a uint8
 # tail of their 8-bit rests (3 bytes an entry against the float32 sum's 4; the library's pair,
 # which holds the sum to ~1e-5 and rounds it as the float32 sum would but for values on a rounding
-# boundary). Off until measured through PyTorch; the benchmarks set the two side by side. Read
-# both where a traced graph's outputs are declared and where they are made: set it before
-# compiling.
-_KEEP_WEIGHT_RESTS = False
+# boundary): None (the default) where their products run fast (_keeps_rests), True or False
+# always or never, for benchmarks and tests that set the two side by side. Read both where a
+# traced graph's outputs are declared and where they are made: set it before compiling.
+_KEEP_WEIGHT_RESTS = None
 # Whether eager steps that keep it leave their last chunk's dW product to the rounding in backward
 # where the library can (lmloss_loss_deferred_bytes; the default); False adds it into the sum in
 # the step, for benchmarks and tests that set the two side by side.

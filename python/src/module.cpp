@@ -361,7 +361,7 @@ nb::object loss_call(const std::string& mode, nb::handle logits, nb::handle hidd
                      bool accumulate_grad_weight, bool accumulate_grad_bias, nb::handle grad_weight_sum_tail,
                      nb::handle grad_weight_deferred, nb::handle grad_loss,
                      nb::handle loss, nb::handle lse, nb::handle grad_logits, nb::handle grad_hidden,
-                     nb::handle grad_weight, nb::handle grad_bias, uintptr_t stream,
+                     nb::handle grad_weight, nb::handle grad_bias, size_t extra_workspace, uintptr_t stream,
                      nb::handle allocator) {
   if (mode != "forward" && mode != "backward" && mode != "forward_backward")
     raise(LMLOSS_ERROR_INVALID_ARGUMENT, "mode: unknown \"" + mode + "\"");
@@ -400,6 +400,13 @@ nb::object loss_call(const std::string& mode, nb::handle logits, nb::handle hidd
                            v_g_bias.tensor};
   const int key = first_device_key({&v_logits.tensor, &v_hidden.tensor});
   lmloss::Context& ctx = context_for(key, stream, allocator);
+  // `extra_workspace` bytes beyond the thread's budget for this call alone (planned with them too).
+  struct BudgetRaised {
+    lmloss::Context& ctx;
+    size_t budget;
+    ~BudgetRaised() { ctx.set_workspace_budget(budget); }
+  } raised{ctx, ctx.workspace_budget()};
+  if (extra_workspace > 0) ctx.set_workspace_budget(raised.budget + extra_workspace);
 
   nb::object made = nb::none();
   if (make_deferred) {
@@ -495,7 +502,8 @@ NB_MODULE(_lmloss, m) {
         nb::arg("grad_weight_deferred").none() = nb::none(), nb::arg("grad_loss").none() = nb::none(),
         nb::arg("loss").none() = nb::none(), nb::arg("lse").none() = nb::none(), nb::arg("grad_logits").none() = nb::none(),
         nb::arg("grad_hidden").none() = nb::none(), nb::arg("grad_weight").none() = nb::none(),
-        nb::arg("grad_bias").none() = nb::none(), nb::arg("stream") = 0, nb::arg("allocator").none() = nb::none());
+        nb::arg("grad_bias").none() = nb::none(), nb::arg("extra_workspace") = 0, nb::arg("stream") = 0,
+        nb::arg("allocator").none() = nb::none());
 
   m.def("topk", &topk_call, nb::kw_only(), nb::arg("logits").none() = nb::none(), nb::arg("hidden").none() = nb::none(),
         nb::arg("weight").none() = nb::none(), nb::arg("bias").none() = nb::none(), nb::arg("k"), nb::arg("softcap"),

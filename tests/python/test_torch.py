@@ -332,6 +332,7 @@ def test_bf16_weight_gradient_is_its_f32_sum_rounded_once(device, monkeypatch):
     ROUNDED_ONCE_RATIO of float64 rounded once; so too on reduction "none"'s recomputing
     backward."""
     x, w, _, y = bf16_head(device, seed=4)
+    monkeypatch.setattr(lt, "_KEEP_WEIGHT_RESTS", False)  # the float32 sum where the pair would run
 
     def weight_grad(keep, reduction):
         monkeypatch.setattr(lt, "_KEEP_WEIGHT_SUM", keep)
@@ -389,6 +390,28 @@ def test_bf16_weight_sum_kept_as_values_and_rests(device, monkeypatch):
     assert_rounded_once(per_token, ref, "none")
     ref_bias = 0.75 * (logits_grad_f64(x, w, y, b).T @ x.double()) / x.shape[0]
     assert_rounded_once(with_bias, ref_bias, "with a bias")
+
+
+def test_weight_sum_rests_spend_the_bytes_they_save_on_workspace(monkeypatch):
+    # The pair's tail takes a byte an entry where the float32 sum's takes ~2: its calls (the fused
+    # step, the recomputing backward) add the difference to the budget, and other calls nothing.
+    # On the CPU the pair is taken only where asked (its products there go through float32).
+    x, w, b, y = linear_inputs(dtype=torch.bfloat16, v=304, h=16)
+    assert not lt._keeps_rests(w) and not lt._keeps_rests(w.float())
+    calls = _library_calls(monkeypatch)
+    saved = lmloss._api.weight_sum_tail_rows(304) * 16 * 4 - 304 * 16
+    for rests in (True, False):
+        monkeypatch.setattr(lt, "_KEEP_WEIGHT_RESTS", rests)
+        for reduction in ("mean", "none"):
+            calls.clear()
+            lt.linear_cross_entropy(leaf(x), leaf(w), y, reduction=reduction).sum().backward()
+            mode, kwargs = calls[-1]
+            assert mode == ("forward_backward" if reduction == "mean" else "backward")
+            assert kwargs["grad_weight_sum_tail"].dtype == (torch.uint8 if rests else torch.float32)
+            assert kwargs["extra_workspace"] == (saved if rests else 0), (rests, reduction)
+    calls.clear()
+    lt.linear_cross_entropy(leaf(x.float()), leaf(w.float()), y).backward()
+    assert calls[-1][1]["extra_workspace"] == 0
 
 
 def test_bf16_weight_gradient_accumulates_over_micro_batches():
@@ -599,6 +622,7 @@ def test_cuda_eager_step_defers_its_last_weight_product(smoothing, monkeypatch):
         make = maker(like)
         return lambda nbytes: sizes.append(nbytes) or make(nbytes)
     monkeypatch.setattr(lmloss._api, "deferred_maker", recording_maker)
+    monkeypatch.setattr(lt, "_KEEP_WEIGHT_RESTS", False)  # the float32 sum's deferral
     torch.manual_seed(3)
     n, h, v = 2000, 256, 4000
     x = torch.randn(n, h, device="cuda").bfloat16()
@@ -794,10 +818,11 @@ def test_weight_sum_tail_lies_above_the_gradient(monkeypatch, array_api):
 
 
 @needs_cuda
-def test_cuda_weight_sum_tail_lies_above_the_gradient_in_a_used_allocator():
+def test_cuda_weight_sum_tail_lies_above_the_gradient_in_a_used_allocator(monkeypatch):
     # A cached block between one and two gradients in size (4 MiB each: the allocator's large
     # blocks) takes the first of the two blocks asked for, the given-back one the second: the
-    # lower of them becomes the gradient.
+    # lower of them becomes the gradient. (The float32 sum's placement, where the pair would run.)
+    monkeypatch.setattr(lt, "_KEEP_WEIGHT_RESTS", False)
     for array_api in (False, True):
         spare = torch.empty(6 << 20, dtype=torch.uint8, device="cuda")
         del spare
@@ -817,6 +842,7 @@ def test_weight_sum_placed_together_only_where_the_allocator_splits_its_block(mo
 _PLACEMENT = """
 import sys, torch, lmloss, lmloss.torch as lt
 vocab = int(sys.argv[1])
+lt._KEEP_WEIGHT_RESTS = False  # the float32 sum's placement, where the pair would run
 w = torch.empty(vocab, 512, dtype=torch.bfloat16, device="cuda")
 g_weight, tail = lt._weight_sum_buffers(w)
 assert g_weight.dtype == torch.bfloat16 and g_weight.shape == w.shape
