@@ -28,6 +28,7 @@ sum), and the step spends the byte an entry this saves on workspace beyond the b
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -153,7 +154,14 @@ def _keeps_rests(weight: Tensor) -> bool:
         return _KEEP_WEIGHT_RESTS
     vocab, hidden = weight.shape
     return (weight.device.type == "cuda" and vocab % 8 == 0 and hidden % 16 == 0
-            and torch.cuda.get_device_capability(weight.device) == (9, 0))
+            and _is_sm90(weight.device.index))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: Optional[int]) -> bool:
+    """Whether CUDA device `index` (None: the current one) is an sm_90 card, asked once: it is
+    asked in every step."""
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def _rests_extra_workspace(weight: Optional[Tensor], tail: Tensor) -> int:
