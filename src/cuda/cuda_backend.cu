@@ -1811,33 +1811,30 @@ class CudaBackend final : public core::Backend {
                                                            " bytes are not a deferred product of this grad_weight");
     void* base = call.deferred.data;
     const auto stream = static_cast<cudaStream_t>(context.stream);
-    if (core::weight_sum_keeps_rests(call.tail)) {
-      RestProductArgs store = deferred_rest_args(call.device_index, d, base, call.grad_weight, call.tail);
-      if (!rest_product_supported(store))
-        return core::fail(LMLOSS_ERROR_UNSUPPORTED, "deferred: this grad_weight's sum cannot take a deferred product "
-                                                    "here (lmloss_loss_deferred_bytes gave 0 for its step)");
-      const size_t store_bytes = rest_product_workspace(store);
+    // The store with the step's alpha and the sum's scale, times the upstream gradient, beside its scratch.
+    const auto run_scaled = [&](auto store, size_t store_bytes, auto run) {
       Workspace ws(context, call.device_index, stream);
       LMLOSS_CHECK(ws.acquire(store_bytes + 2 * sizeof(float)));
       float* alpha_beta = ws.at<float>(store_bytes);
-      LMLOSS_CHECK(launch_deferred_scalars(d.alpha(base), static_cast<const float*>(call.scale.data), alpha_beta, stream));
+      LMLOSS_CHECK(
+          launch_deferred_scalars(d.alpha(base), static_cast<const float*>(call.scale.data), alpha_beta, stream));
       store.alpha = alpha_beta;
       store.beta = alpha_beta + 1;
-      return run_rest_product(store, ws.at<void>(0), stream);
-    }
-    WeightGradStoreArgs store =
-        deferred_store_args(call.device_index, d, base, call.grad_weight.data, call.split, call.tail);
-    if (call.grad_weight.dtype != LMLOSS_BF16 || !weight_grad_store_supported(store))
+      return run(store, ws.at<void>(0), stream);
+    };
+    const auto unsupported = [] {
       return core::fail(LMLOSS_ERROR_UNSUPPORTED, "deferred: this grad_weight's sum cannot take a deferred product "
                                                   "here (lmloss_loss_deferred_bytes gave 0 for its step)");
-    const size_t store_bytes = align256(weight_grad_store_workspace(store));
-    Workspace ws(context, call.device_index, stream);
-    LMLOSS_CHECK(ws.acquire(store_bytes + 2 * sizeof(float)));
-    float* alpha_beta = ws.at<float>(store_bytes);  // the step's alpha and the sum's scale, times the upstream gradient
-    LMLOSS_CHECK(launch_deferred_scalars(d.alpha(base), static_cast<const float*>(call.scale.data), alpha_beta, stream));
-    store.alpha = alpha_beta;
-    store.beta = alpha_beta + 1;
-    return run_weight_grad_store(store, ws.at<void>(0), stream);
+    };
+    if (core::weight_sum_keeps_rests(call.tail)) {
+      const RestProductArgs store = deferred_rest_args(call.device_index, d, base, call.grad_weight, call.tail);
+      if (!rest_product_supported(store)) return unsupported();
+      return run_scaled(store, align256(rest_product_workspace(store)), run_rest_product);
+    }
+    const WeightGradStoreArgs store =
+        deferred_store_args(call.device_index, d, base, call.grad_weight.data, call.split, call.tail);
+    if (call.grad_weight.dtype != LMLOSS_BF16 || !weight_grad_store_supported(store)) return unsupported();
+    return run_scaled(store, align256(weight_grad_store_workspace(store)), run_weight_grad_store);
   }
 
   lmloss_status zero(lmloss_context& context, const lmloss_tensor& t) override {
