@@ -729,11 +729,11 @@ class ModesBench {
     dw_dtype_ = form.input_dtype ? dt_ : LMLOSS_F32;
     dw_flags_ = form.flags;
     defer_dw_ = form.defer;
+    dw_sum_ = form.sum;
     if (form.sum == DwForm::Sum::none) return;
     if (form.sum == DwForm::Sum::rests) {
       dw_sum_tail_ = DeviceBuffer(size_t(v_) * size_t(h_));
       dw_sum_tail_at_ = dw_sum_tail_.ptr;
-      dw_rests_ = true;
       return;
     }
     const int64_t tail_rows = LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_);
@@ -1196,11 +1196,11 @@ class ModesBench {
     const bool want_dx = want_dw || mode == "dx_only";
     lmloss_loss_options o = lmloss_loss_options_default();
     o.flags |= dw_flags_;
-    const bool kept_sum = want_dw && dw_sum_tail_at_;
+    const bool kept_sum = want_dw && dw_sum_tail_at_, rests = dw_sum_ == DwForm::Sum::rests;
     const lmloss_tensor sum_tail =
-        !kept_sum  ? lmloss_tensor_none()
-        : dw_rests_ ? dev_matrix(dw_sum_tail_at_, LMLOSS_U8, v_, h_)
-                    : dev_matrix(dw_sum_tail_at_, LMLOSS_F32, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_), h_);
+        !kept_sum ? lmloss_tensor_none()
+        : rests   ? dev_matrix(dw_sum_tail_at_, LMLOSS_U8, v_, h_)
+                  : dev_matrix(dw_sum_tail_at_, LMLOSS_F32, LMLOSS_GRAD_WEIGHT_SUM_TAIL_ROWS(v_), h_);
     o.grad_weight_sum_tail = sum_tail;
     if (distill) {
       o.ce_weight = 0;
@@ -1371,7 +1371,7 @@ class ModesBench {
   lmloss_dtype dw_dtype_ = LMLOSS_F32;
   uint32_t dw_flags_ = 0;  // LMLOSS_SUM_GRAD_WEIGHT_IN_F32 for --dw-dtype input-once
   bool defer_dw_ = false;  // --dw-dtype input-kept-deferred
-  bool dw_rests_ = false;  // --dw-dtype input-rests*
+  DwForm::Sum dw_sum_ = DwForm::Sum::none;  // how a kept sum of dW is held (--dw-dtype)
   DeviceBuffer dw_sum_tail_;         // --dw-dtype input-kept-apart: the kept f32 sum's tail
   void* dw_sum_tail_at_ = nullptr;   // --dw-dtype input-kept*: where that tail is
 };
